@@ -114,11 +114,29 @@ series_patches() {
     done <"${SERIES}"
 }
 
+# Patch tool: GNU patch when available, else git apply (MOIRA_PATCH_TOOL=patch|git forces one).
+PATCH_TOOL="${MOIRA_PATCH_TOOL:-}"
+if [[ -z "${PATCH_TOOL}" ]]; then
+    if command -v patch >/dev/null 2>&1; then PATCH_TOOL="patch"; else PATCH_TOOL="git"; fi
+fi
+case "${PATCH_TOOL}" in
+patch | git) command -v "${PATCH_TOOL}" >/dev/null 2>&1 || die "'${PATCH_TOOL}' not found: install GNU patch or git" ;;
+*) die "MOIRA_PATCH_TOOL must be 'patch' or 'git', not '${PATCH_TOOL}'" ;;
+esac
+
+# git apply must not discover an enclosing repository (site-packages may live inside a
+# checkout's .venv): a ceiling just above DIR stops the search.
+git_apply() {
+    local dir="$1"
+    shift
+    (cd "${dir}" && GIT_CEILING_DIRECTORIES="$(dirname "${dir}")" git apply -p1 "$@")
+}
+
 # apply_tool ROOTDIR PATCHFILE MODE   MODE: check | apply | check-reverse
 # Prints the tool's output; returns its status.
 apply_tool() {
     local dir="$1" file="$2" mode="$3"
-    if command -v patch >/dev/null 2>&1; then
+    if [[ "${PATCH_TOOL}" == patch ]]; then
         local -a args=(-p1 --fuzz=0 --no-backup-if-mismatch -r - -d "${dir}" -i "${file}")
         case "${mode}" in
         check) patch --dry-run -N "${args[@]}" </dev/null ;;
@@ -126,20 +144,17 @@ apply_tool() {
         check-reverse) patch --dry-run -R -f "${args[@]}" </dev/null ;;
         esac
     else
-        # git apply outside any repository (a ceiling stops discovery above DIR)
-        local -a git_env=(env "GIT_CEILING_DIRECTORIES=$(dirname "${dir}")")
         case "${mode}" in
-        check) (cd "${dir}" && "${git_env[@]}" git apply -p1 --check -v "${file}") ;;
-        apply) (cd "${dir}" && "${git_env[@]}" git apply -p1 -v "${file}") ;;
-        check-reverse) (cd "${dir}" && "${git_env[@]}" git apply -p1 -R --check "${file}") ;;
+        check) git_apply "${dir}" --check -v "${file}" ;;
+        apply) git_apply "${dir}" -v "${file}" ;;
+        check-reverse) git_apply "${dir}" -R --check "${file}" ;;
         esac
     fi
 }
 
 # show_rejects ROOTDIR PATCHFILE: apply the patch to a scratch copy of the files it touches
-# and print the rejected hunks (the .rej content), so failures show what did not match.
+# and print the rejected hunks (.rej content), so a failure shows what did not match.
 show_rejects() {
-    command -v patch >/dev/null 2>&1 || return 0
     local dir="$1" file="$2" scratch f
     scratch="$(mktemp -d "${TMPDIR:-/tmp}/moira-rej.XXXXXX")"
     while IFS= read -r f; do
@@ -148,12 +163,19 @@ show_rejects() {
             cp "${dir}/${f}" "${scratch}/${f}"
         fi
     done < <(sed -n -e 's#^--- a/\([^[:space:]]*\).*#\1#p' -e 's#^+++ b/\([^[:space:]]*\).*#\1#p' "${file}" | sort -u)
-    patch -p1 --fuzz=0 -N --no-backup-if-mismatch -r "${scratch}/rejects.rej" \
-        -d "${scratch}" -i "${file}" </dev/null >/dev/null 2>&1 || true
-    if [[ -s "${scratch}/rejects.rej" ]]; then
-        printf '%s\n' "----- rejected hunks of $(basename "${file}") -----"
-        cat "${scratch}/rejects.rej"
+    if [[ "${PATCH_TOOL}" == patch ]]; then
+        patch -p1 --fuzz=0 -N --no-backup-if-mismatch -r "${scratch}/all.rej" \
+            -d "${scratch}" -i "${file}" </dev/null >/dev/null 2>&1 || true
+    else
+        git_apply "${scratch}" --reject "${file}" >/dev/null 2>&1 || true
     fi
+    local rej
+    while IFS= read -r -d '' rej; do
+        if [[ -s "${rej}" ]]; then
+            printf '%s\n' "----- rejected hunks of $(basename "${file}") (${rej#"${scratch}"/}) -----"
+            cat "${rej}"
+        fi
+    done < <(find "${scratch}" -name '*.rej' -print0 | sort -z)
     rm -rf "${scratch}"
 }
 

@@ -21,6 +21,7 @@ REGISTRY = "vllm/v1/attention/backends/registry.py"
 
 def run_build(*args: str, env: dict | None = None, check: bool = False):
     full_env = dict(os.environ)
+    full_env.pop("MOIRA_PATCH_TOOL", None)
     full_env.update(env or {})
     proc = subprocess.run(
         ["bash", str(BUILD), *args],
@@ -133,7 +134,17 @@ def test_check_synthetic_series(clean_src: Path, tmp_path: Path):
     assert not (clean_src / "vllm" / "moira_test_new.py").exists()
 
 
-def test_check_broken_patch_fails_naming_it(clean_src: Path, tmp_path: Path):
+TOOLS = pytest.mark.parametrize("tool", ["patch", "git"])
+
+
+def _tool_env(tool: str) -> dict:
+    if shutil.which(tool) is None:
+        pytest.fail(f"'{tool}' not on PATH: build.sh needs GNU patch or git")
+    return {"MOIRA_PATCH_TOOL": tool}
+
+
+@TOOLS
+def test_check_broken_patch_fails_naming_it(clean_src: Path, tmp_path: Path, tool: str):
     pdir = tmp_path / "p"
     synthetic_series(clean_src, pdir)
     good = (pdir / "0001-registry.patch").read_text()
@@ -141,7 +152,9 @@ def test_check_broken_patch_fails_naming_it(clean_src: Path, tmp_path: Path):
     assert broken != good
     (pdir / "0003-broken.patch").write_text(broken.replace("MOIRA_TEST", "MOIRA_TEST2"))
     (pdir / "series").write_text("0001-registry.patch\n0003-broken.patch\n")
-    proc = run_build("--check", "--vllm-src", str(clean_src), "--patches", str(pdir))
+    proc = run_build(
+        "--check", "--vllm-src", str(clean_src), "--patches", str(pdir), env=_tool_env(tool)
+    )
     assert proc.returncode != 0
     assert "0003-broken.patch" in proc.stderr
     assert "does not apply" in proc.stderr
@@ -216,10 +229,12 @@ def test_build_current_series_twice_is_idempotent(fake_site: Path):
     assert "summary:" in first.stdout
 
 
-def test_build_synthetic_series_twice_is_idempotent(fake_site: Path, tmp_path: Path):
+@TOOLS
+def test_build_synthetic_series_twice_is_idempotent(fake_site: Path, tmp_path: Path, tool: str):
     names = synthetic_series(fake_site.parent, tmp_path / "p")
     before = tree_digest(fake_site)
-    first = run_build("--target-vllm", str(fake_site), "--patches", str(tmp_path / "p"))
+    env = _tool_env(tool)
+    first = run_build("--target-vllm", str(fake_site), "--patches", str(tmp_path / "p"), env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     for name in names:
         assert f"patch {name}: applied" in first.stdout
@@ -227,7 +242,7 @@ def test_build_synthetic_series_twice_is_idempotent(fake_site: Path, tmp_path: P
     assert digest1 != before
     assert 'MOIRA_TEST = "' in (fake_site / "v1/attention/backends/registry.py").read_text()
     assert (fake_site / "moira_test_new.py").read_text() == "X = 1\n"
-    second = run_build("--target-vllm", str(fake_site), "--patches", str(tmp_path / "p"))
+    second = run_build("--target-vllm", str(fake_site), "--patches", str(tmp_path / "p"), env=env)
     assert second.returncode == 0, second.stdout + second.stderr
     for name in names:
         assert f"patch {name}: already applied, skipped" in second.stdout
@@ -237,7 +252,8 @@ def test_build_synthetic_series_twice_is_idempotent(fake_site: Path, tmp_path: P
     _assert_overlay_installed(fake_site)
 
 
-def test_build_broken_patch_fails_with_rejects(fake_site: Path, tmp_path: Path):
+@TOOLS
+def test_build_broken_patch_fails_with_rejects(fake_site: Path, tmp_path: Path, tool: str):
     pdir = tmp_path / "p"
     pdir.mkdir()
     reg = (fake_site / "v1/attention/backends/registry.py").read_text()
@@ -246,7 +262,7 @@ def test_build_broken_patch_fails_with_rejects(fake_site: Path, tmp_path: Path):
         make_patch(REGISTRY, wrong, wrong.replace("Missing", "Other"))
     )
     (pdir / "series").write_text("0001-bad.patch\n")
-    proc = run_build("--target-vllm", str(fake_site), "--patches", str(pdir))
+    proc = run_build("--target-vllm", str(fake_site), "--patches", str(pdir), env=_tool_env(tool))
     assert proc.returncode != 0
     assert "0001-bad.patch does not apply" in proc.stderr
     assert "CUSTOM = Missing" in proc.stderr  # rejected hunk shown
