@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builders of paged KV caches and decode batches for Moira's kernel tests.
+
+Shared by the CPU (Triton interpreter) tests, the GPU tests and the H200
+correctness script, so every check runs on the same kinds of data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+PAGE = 64
+
+
+def make_kv_cache(
+    num_blocks: int,
+    num_kv_heads: int,
+    head_size: int,
+    layout: str,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Random bf16 cache as vLLM's logical view ``[blocks, H_kv, 64, 2D]``.
+
+    ``layout="token_major"`` (vLLM's default LBNHC/"NHD") stores a page as
+    ``[64, H_kv, 2D]``; ``"head_major"`` (LBHNC/"HND") as ``[H_kv, 64, 2D]``.
+    """
+    if layout == "token_major":
+        raw = torch.randn(
+            num_blocks, PAGE, num_kv_heads, 2 * head_size, generator=generator
+        )
+        cache = raw.to(device=device, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+    elif layout == "head_major":
+        raw = torch.randn(
+            num_blocks, num_kv_heads, PAGE, 2 * head_size, generator=generator
+        )
+        cache = raw.to(device=device, dtype=torch.bfloat16)
+    else:
+        raise ValueError(layout)
+    return cache
+
+
+def make_block_table(
+    seq_lens: list[int],
+    num_blocks: int,
+    max_pages: int,
+    generator: torch.Generator | None = None,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Shuffled distinct blocks per row; block 0 is vLLM's null block and only
+    pads the table (it is never a real page)."""
+    needed = sum(math.ceil(s / PAGE) for s in seq_lens)
+    assert needed <= num_blocks - 1, "cache too small for the rows"
+    perm = torch.randperm(num_blocks - 1, generator=generator) + 1
+    table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
+    start = 0
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        table[row, :n] = perm[start : start + n].to(torch.int32)
+        start += n
+    return table.to(device)
+
+
+def shape_attention(
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    pattern: str,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Give the random data a structure, in place.
+
+    - ``concentrated``: a few pages per row hold keys aligned with the query,
+      so most of the mass sits there.
+    - ``diffuse``: small keys everywhere, near-uniform attention.
+    - ``outlier``: one page per row has a few keys strongly aligned with the
+      query among ordinary ones (the case mvar's variance term is for).
+    - ``random``: unchanged.
+    """
+    if pattern == "random":
+        return
+    head_size = kv_cache.shape[-1] // 2
+    num_kv_heads = kv_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        if n == 0:
+            continue
+        blocks = block_table[row, :n].long()
+        if pattern == "diffuse":
+            kv_cache[blocks, :, :, :head_size] *= 0.1
+            continue
+        for h in range(num_kv_heads):
+            direction = query[row, h * group : (h + 1) * group].float().mean(0)
+            direction = direction / direction.norm().clamp_min(1e-6)
+            chosen = torch.randint(0, n, (3 if pattern == "concentrated" else 1,),
+                                   generator=generator)  # fmt: skip
+            for page in chosen.tolist():
+                valid = min(PAGE, seq_len - page * PAGE)
+                if pattern == "concentrated":
+                    tokens = torch.arange(valid)
+                    strength = 6.0
+                else:
+                    tokens = torch.randint(0, valid, (3,), generator=generator)
+                    strength = 14.0
+                key = kv_cache[blocks[page], h, tokens, :head_size].float()
+                key += strength * direction
+                kv_cache[blocks[page], h, tokens, :head_size] = key.to(kv_cache.dtype)

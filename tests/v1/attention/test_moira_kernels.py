@@ -1,0 +1,343 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Moira's Triton kernels against the float32 reference (CPU interpreter).
+
+Small shapes: the Triton interpreter runs a program per grid point in Python
+(conftest installs the bf16 ``tl.dot`` fix). The same properties at real
+shapes run on the H200 in ``test_moira_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.v1.attention.moira_test_utils import (
+    PAGE,
+    make_block_table,
+    make_kv_cache,
+    shape_attention,
+)
+from vllm_moira.v1.attention.backends import moira
+from vllm_moira.v1.attention.ops import moira_reference as ref
+
+# Attend constants small enough that CPU-sized rows still split into several
+# chunks (the defaults C=24, N_J=32, N_T=4096 are exercised separately).
+SMALL_SPLITS = dict(min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8)
+BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2  # one bf16 ulp at |x| <= 1, plus fp32 noise
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |x| (8 significand bits)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
+    return torch.pow(2.0, exponent - 7)
+
+
+def _batch(seq_lens, num_kv_heads, group, head_size, layout, pattern="random",
+           seed=0, extra_blocks=3):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(s / PAGE) for s in seq_lens) + extra_blocks
+    max_pages = max(1, max(math.ceil(s / PAGE) for s in seq_lens))
+    kv = make_kv_cache(num_blocks, num_kv_heads, head_size, layout, generator=gen)
+    table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
+    query = query.to(torch.bfloat16)
+    shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
+    summaries = torch.zeros(num_blocks, num_kv_heads, 2, head_size, dtype=torch.bfloat16)
+    full = [
+        int(table[r, p]) * PAGE + PAGE - 1
+        for r, s in enumerate(seq_lens)
+        for p in range(s // PAGE)
+    ]
+    moira.write_page_summaries(kv, summaries, torch.tensor(full, dtype=torch.int64))
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return kv, summaries, table, seq, query
+
+
+# --------------------------------------------------------------------------
+# Page summaries
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_write_summaries_matches_reference(layout, head_size):
+    gen = torch.Generator().manual_seed(1)
+    kv = make_kv_cache(6, 2, head_size, layout, generator=gen)
+    summaries = torch.full((6, 2, 2, head_size), float("nan"), dtype=torch.bfloat16)
+    # Slots of a decode step: padding (-1), a page's 64th token for blocks 2
+    # and 5, and tokens that do not fill a page (no summary).
+    slots = torch.tensor([-1, 2 * PAGE + 63, 3 * PAGE + 10, 5 * PAGE + 63, 4 * PAGE])
+    moira.write_page_summaries(kv, summaries, slots)
+    expected = ref.summarize_pages(kv, torch.tensor([2, 5]))
+    got = summaries[[2, 5]].float()
+    # The kernel stores bf16: at most one bf16 step away from the fp32 value.
+    assert torch.all((got - expected).abs() <= _bf16_ulp(expected) + 1e-6)
+    untouched = summaries[[0, 1, 3, 4]]
+    assert torch.isnan(untouched.float()).all(), "pages that did not fill were written"
+
+
+# --------------------------------------------------------------------------
+# Estimate
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("layout", "group", "head_size", "pattern"),
+    [
+        ("token_major", 1, 64, "random"),
+        ("head_major", 3, 64, "concentrated"),
+        ("token_major", 4, 128, "outlier"),
+        ("head_major", 8, 128, "diffuse"),
+    ],
+)
+def test_estimate_matches_reference(layout, group, head_size, pattern):
+    seq_lens = [1, 64, 65, 300, 64 * 5]
+    kv, summaries, table, seq, query = _batch(
+        seq_lens, 2, group, head_size, layout, pattern
+    )
+    scale = head_size**-0.5
+    ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
+                              moira.MoiraConfig(), "cpu")  # fmt: skip
+    ws.logmass.fill_(float("nan"))
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale)
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        expected = ref.estimate_row_logmass(
+            query[row], kv, summaries, table[row], seq_len, scale
+        )
+        torch.testing.assert_close(
+            ws.logmass[row, :, :, :n], expected, atol=2e-5, rtol=2e-5
+        )
+
+
+# --------------------------------------------------------------------------
+# Select
+# --------------------------------------------------------------------------
+def _random_logmass(num_rows, num_kv_heads, group, max_pages, seed, spread=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    logmass = torch.randn(num_rows, num_kv_heads, group, max_pages, generator=gen)
+    # Heavy-tailed pages (a few carry most of the mass), different per head.
+    heavy = torch.rand(num_rows, num_kv_heads, 1, max_pages, generator=gen) < 0.1
+    return logmass * spread + heavy * 4.0
+
+
+def _run_select(logmass, seq_lens, config):
+    num_rows, num_kv_heads, group, max_pages = logmass.shape
+    ws = moira.MoiraWorkspace(num_rows, num_kv_heads * group, num_kv_heads, 64,
+                              max_pages, config, "cpu")  # fmt: skip
+    ws.logmass.copy_(logmass)
+    ws.page_list.fill_(-7)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+                       config, num_rows, max_pages)  # fmt: skip
+    return ws
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_select_lists_equal_reference_at_098(group):
+    """Select's lists equal the float32 reference exactly, on 64 rows."""
+    num_rows, num_kv_heads, max_pages = 16, 4, 300
+    gen = torch.Generator().manual_seed(group)
+    seq_lens = torch.randint(1, max_pages * PAGE + 1, (num_rows,), generator=gen)
+    seq_lens[:4] = torch.tensor([1, 64, 129, max_pages * PAGE])  # edge lengths
+    logmass = _random_logmass(num_rows, num_kv_heads, group, max_pages, seed=group)
+    config = moira.MoiraConfig(gamma=0.98)
+    ws = _run_select(logmass, seq_lens.tolist(), config)
+    checked = 0
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        n = math.ceil(seq_len / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        for h in range(num_kv_heads):
+            expected = ref.select_pages(pibar[h], gamma=0.98)
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == expected.tolist(), (row, h)
+            checked += 1
+    assert checked >= 64
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9, 0.95, 0.99])
+def test_select_coverage_reaches_gamma_with_fewest_pages(gamma):
+    num_rows, max_pages = 6, 200
+    seq_lens = [max_pages * PAGE, 5000, 3 * PAGE, 64 * 77 + 5, 999, 64 * 150]
+    logmass = _random_logmass(num_rows, 2, 3, max_pages, seed=7)
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=gamma))
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        for h in range(2):
+            count = int(ws.page_count[row, h])
+            pages = ws.page_list[row, h, :count]
+            assert pages[0] == 0 and pages[-1] == n - 1
+            assert torch.all(pages[1:] > pages[:-1]), "list not in page order"
+            kept = pibar[h, pages.long()].sum()
+            assert kept >= gamma - 1e-5
+            # Fewest: dropping the smallest kept middle page falls below gamma.
+            middle = pibar[h, pages[1:-1].long()]
+            if middle.numel():
+                assert kept - middle.min() < gamma + 1e-5
+
+
+def test_select_gamma_one_keeps_every_page():
+    max_pages = 90
+    seq_lens = [1, 64, 65, 64 * 90, 64 * 37 + 1]
+    logmass = _random_logmass(len(seq_lens), 2, 4, max_pages, seed=3, spread=30.0)
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=1.0))
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        for h in range(2):
+            assert int(ws.page_count[row, h]) == n
+            assert ws.page_list[row, h, :n].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("fixed_pages", [1, 2, 5, 40])
+def test_select_fixed_count(fixed_pages):
+    max_pages = 64
+    seq_lens = [1, 64 * 3, 64 * 64, 64 * 20 + 3]
+    logmass = _random_logmass(len(seq_lens), 2, 3, max_pages, seed=fixed_pages)
+    config = moira.MoiraConfig(selector="fixed", fixed_pages=fixed_pages)
+    ws = _run_select(logmass, seq_lens, config)
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        for h in range(2):
+            expected = ref.select_pages(pibar[h], fixed_pages=fixed_pages)
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == expected.tolist()
+            assert count == min(n, max(fixed_pages, min(n, 2)))
+
+
+def test_select_rows_longer_than_4096_pages():
+    """Rows past one register tile (e.g. 256k contexts) loop over tiles."""
+    max_pages = 4096 + 300
+    seq_lens = [max_pages * PAGE, 4097 * PAGE + 1, 200 * PAGE]
+    logmass = _random_logmass(len(seq_lens), 1, 2, max_pages, seed=11)
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=0.98))
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        expected = ref.select_pages(pibar[0], gamma=0.98)
+        count = int(ws.page_count[row, 0])
+        assert ws.page_list[row, 0, :count].tolist() == expected.tolist()
+
+
+# --------------------------------------------------------------------------
+# Attend + Merge, and the whole step
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("layout", "group", "head_size"),
+    [("token_major", 1, 64), ("head_major", 3, 64), ("token_major", 4, 128),
+     ("head_major", 8, 128)],
+)  # fmt: skip
+def test_gamma_one_equals_dense(layout, group, head_size):
+    # Rows: 1 token, one page, C pages exactly, J*C + 1 pages (J = 3 here),
+    # a ragged row, and a padded row (seq_len 0, must stay untouched).
+    config = moira.MoiraConfig(gamma=1.0, **SMALL_SPLITS)
+    seq_lens = [1, 64, 2 * PAGE, (3 * 2 + 1) * PAGE, 64 * 4 + 17, 0]
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout)
+    ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
+    scale = head_size**-0.5
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
+    dense = ref.dense_decode(query, kv, table, seq, scale)
+    for row, seq_len in enumerate(seq_lens[:-1]):
+        n = math.ceil(seq_len / PAGE)
+        assert ws.page_count[row].tolist() == [n, n]
+    torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
+                               rtol=BF16_RTOL)  # fmt: skip
+    assert torch.all(out[-1] == 7.0), "padded row was written"
+
+
+@pytest.mark.parametrize(
+    ("layout", "group", "pattern", "gamma"),
+    [
+        ("token_major", 3, "concentrated", 0.98),
+        ("head_major", 3, "outlier", 0.95),
+        ("token_major", 1, "diffuse", 0.9),
+        ("head_major", 4, "random", 0.98),
+    ],
+)
+def test_sparse_decode_matches_reference(layout, group, pattern, gamma):
+    config = moira.MoiraConfig(gamma=gamma, **SMALL_SPLITS)
+    seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern)
+    ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, gamma)
+    for row in range(len(seq_lens)):
+        for h in range(2):
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+def test_attend_accepts_any_page_list():
+    """attend() runs other selectors' lists (here: every other page)."""
+    config = moira.MoiraConfig(**SMALL_SPLITS)
+    seq_lens = [64 * 9 + 5, 64 * 3]
+    kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "token_major")
+    ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
+    lists = [[torch.tensor([0, 2, 4, 6, 8, 9])] * 2, [torch.tensor([1])] * 2]
+    page_list = torch.zeros(2, 2, table.shape[1], dtype=torch.int32)
+    page_count = torch.zeros(2, 2, dtype=torch.int32)
+    for row in range(2):
+        for h in range(2):
+            page_list[row, h, : len(lists[row][h])] = lists[row][h]
+            page_count[row, h] = len(lists[row][h])
+    out = torch.empty_like(query)
+    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    for row, seq_len in enumerate(seq_lens):
+        keys, values = ref.row_keys_values(kv, table[row], seq_len)
+        expected, _ = ref.attend_pages(query[row], keys, values, lists[row], seq_len, 0.125)
+        torch.testing.assert_close(out[row].float(), expected, atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)  # fmt: skip
+
+
+def test_default_split_constants_single_and_multi_chunk():
+    """C=24, N_J=32, N_T=4096: a 24-page row is one chunk written by Attend
+    directly; a 25-page row is two chunks combined by Merge."""
+    config = moira.MoiraConfig(gamma=1.0)
+    seq_lens = [24 * PAGE, 25 * PAGE]
+    kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "head_major")
+    ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
+    assert config.num_splits(2, 1) == 2048
+    out = torch.empty_like(query)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    dense = ref.dense_decode(query, kv, table, seq, 0.125)
+    torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+def test_merge_matches_reference_lse_combine():
+    gen = torch.Generator().manual_seed(5)
+    chunks = torch.randn(4, 3, 8, generator=gen)
+    lses = torch.randn(4, 3, generator=gen) * 3
+    merged, lse = ref.merge_partials(chunks, lses)
+    # Same combine as softmax over the concatenation of the chunks' logits.
+    weights = torch.softmax(lses, dim=0).unsqueeze(-1)
+    torch.testing.assert_close(merged, (weights * chunks).sum(0))
+    torch.testing.assert_close(lse, torch.logsumexp(lses, 0))
+
+
+# --------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(gamma=0.0), "gamma must be in \\(0, 1\\]"),
+        (dict(gamma=1.5), "gamma must be in \\(0, 1\\]"),
+        (dict(selector="topk"), "selector must be one of"),
+        (dict(selector="fixed"), "needs fixed_pages"),
+        (dict(selector="fixed", fixed_pages=0), "needs fixed_pages"),
+        (dict(fixed_pages=4), "only used with selector='fixed'"),
+        (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        moira.MoiraConfig(**kwargs).validate()
+
+
+def test_workspace_rejects_unsupported_geometry():
+    with pytest.raises(ValueError, match="head_size must be one of"):
+        moira.MoiraWorkspace(2, 8, 2, 96, 4, moira.MoiraConfig(), "cpu")
+    with pytest.raises(ValueError, match="multiple of"):
+        moira.MoiraWorkspace(2, 6, 4, 64, 4, moira.MoiraConfig(), "cpu")

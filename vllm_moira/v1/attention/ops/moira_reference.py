@@ -1,0 +1,277 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Float32 PyTorch reference of Moira's sparse decode (paper §3, Alg. 1-2).
+
+Readable over fast: every function works on one row (one decode request) and
+plain tensors, so tests can compare each Triton kernel of
+``vllm.v1.attention.backends.moira`` against the same math step by step.
+
+Conventions shared with the kernels:
+- ``kv_cache`` is vLLM's per-layer view ``[num_blocks, H_kv, 64, 2*D]`` (any
+  strides); K is ``[..., :D]`` and V is ``[..., D:]``.
+- ``summaries`` is ``[num_blocks, H_kv, 2, D]``: per-channel mean and
+  (population) variance of the 64 keys of a page.
+- Query head ``i`` attends with KV head ``i // G``.
+- Page lists hold *logical* page indices ``0 .. n_pages - 1`` of the row; the
+  physical block is ``block_table[row, page]``. Page 0 is the sink, page
+  ``n_pages - 1`` the current (possibly partial) page.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+PAGE_SIZE = 64
+
+
+# --------------------------------------------------------------------------
+# Page summaries
+# --------------------------------------------------------------------------
+def summarize_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Mean and variance of the keys of full pages: ``[n, H_kv, 2, D]`` fp32."""
+    head_size = kv_cache.shape[-1] // 2
+    keys = kv_cache[block_ids.long(), :, :, :head_size].float()  # [n, H, 64, D]
+    mean = keys.mean(dim=2)
+    var = ((keys - mean.unsqueeze(2)) ** 2).mean(dim=2)
+    return torch.stack([mean, var], dim=2)
+
+
+# --------------------------------------------------------------------------
+# Gathering one row
+# --------------------------------------------------------------------------
+def num_pages(seq_len: int) -> int:
+    return (seq_len + PAGE_SIZE - 1) // PAGE_SIZE
+
+
+def row_keys_values(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one row in token order: two ``[H_kv, seq_len, D]`` fp32."""
+    head_size = kv_cache.shape[-1] // 2
+    n = num_pages(seq_len)
+    pages = kv_cache[block_table_row[:n].long()].float()  # [n, H, 64, 2D]
+    pages = pages.permute(1, 0, 2, 3).reshape(kv_cache.shape[1], n * PAGE_SIZE, -1)
+    pages = pages[:, :seq_len]
+    return pages[..., :head_size], pages[..., head_size:]
+
+
+# --------------------------------------------------------------------------
+# Estimate (Eq. 2) and the oracle
+# --------------------------------------------------------------------------
+def exact_page_logmass(
+    query: torch.Tensor, keys: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """Exact log-mass ``log sum_k exp(s q.k)`` of every page: ``[H_kv, G, n]``.
+
+    ``query`` is ``[H_q, D]``, ``keys`` ``[H_kv, seq_len, D]`` (fp32).
+    """
+    h_kv = keys.shape[0]
+    g = query.shape[0] // h_kv
+    n = num_pages(seq_len)
+    q = query.float().view(h_kv, g, -1) * scale
+    logits = torch.einsum("hgd,htd->hgt", q, keys)  # [H, G, T]
+    padded = torch.full((h_kv, g, n * PAGE_SIZE), -math.inf)
+    padded[..., :seq_len] = logits
+    return torch.logsumexp(padded.view(h_kv, g, n, PAGE_SIZE), dim=-1)
+
+
+def mvar_page_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Eq. 2 for every page: ``s q.mu + 0.5 (s q)^2 . sigma^2 + log 64``.
+
+    ``page_summaries`` is ``[n, H_kv, 2, D]``; returns ``[H_kv, G, n]``.
+    """
+    h_kv = page_summaries.shape[1]
+    q = query.float().view(h_kv, -1, query.shape[-1]) * scale  # [H, G, D]
+    mean = page_summaries[:, :, 0].float()  # [n, H, D]
+    var = page_summaries[:, :, 1].float()
+    mean_term = torch.einsum("hgd,nhd->hgn", q, mean)
+    spread_term = 0.5 * torch.einsum("hgd,nhd->hgn", q * q, var)
+    return mean_term + spread_term + math.log(PAGE_SIZE)
+
+
+def estimate_row_logmass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table_row: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    estimator: str = "mvar",
+) -> torch.Tensor:
+    """Log-mass per (KV head, query head in group, page): ``[H_kv, G, n]``.
+
+    ``estimator="mvar"``: Eq. 2 from the stored summaries, with the sink page
+    and the current page computed exactly (paper §3.1).
+    ``estimator="oracle"``: exact masses of every page, for analysis.
+    """
+    keys, _ = row_keys_values(kv_cache, block_table_row, seq_len)
+    exact = exact_page_logmass(query, keys, seq_len, scale)
+    if estimator == "oracle":
+        return exact
+    if estimator != "mvar":
+        raise ValueError(f"unknown estimator {estimator!r}; expected 'mvar' or 'oracle'")
+    n = num_pages(seq_len)
+    est = mvar_page_logmass(query, summaries[block_table_row[:n].long()], scale)
+    est[..., 0] = exact[..., 0]
+    est[..., n - 1] = exact[..., n - 1]
+    return est
+
+
+# --------------------------------------------------------------------------
+# Select (Eq. 3): exact, by sort
+# --------------------------------------------------------------------------
+def group_mean_shares(logmass: torch.Tensor) -> torch.Tensor:
+    """pi-bar: mean over the G query heads of the per-head softmax over pages.
+
+    ``logmass`` is ``[..., G, n]``; returns ``[..., n]``.
+    """
+    return torch.softmax(logmass.float(), dim=-1).mean(dim=-2)
+
+
+def _threshold_keep(
+    middle: torch.Tensor, target: float, by_count: bool
+) -> torch.Tensor:
+    """Mask of ``middle >= tau`` for the largest tau whose kept sum (or count)
+    reaches ``target``; all pages if no tau reaches it (Eq. 3's threshold form,
+    so pages tied at the threshold are all kept)."""
+    if middle.numel() == 0 or target <= 0:
+        return torch.zeros_like(middle, dtype=torch.bool)
+    values, _ = torch.sort(middle, descending=True)
+    acc = torch.ones_like(values).cumsum(0) if by_count else values.cumsum(0)
+    reached = torch.nonzero(acc >= target)
+    if reached.numel() == 0:
+        return torch.ones_like(middle, dtype=torch.bool)
+    tau = values[reached[0, 0]]
+    return middle >= tau
+
+
+def select_pages(
+    pibar: torch.Tensor,
+    gamma: float = 0.98,
+    fixed_pages: int | None = None,
+) -> torch.Tensor:
+    """Page list of one (row, KV head): logical pages, sink first, current last.
+
+    Coverage rule (default): the sink and the current page are always kept;
+    of the other pages, those with ``pibar >= tau`` where tau is the largest
+    threshold whose kept share reaches ``gamma - pibar[sink] - pibar[cur]``.
+    ``gamma >= 1`` keeps every page. Fixed-count mode (``fixed_pages=K``): the
+    K pages in total, sink and current included, with the largest shares.
+    """
+    n = pibar.numel()
+    if n <= 2:
+        return torch.arange(n, dtype=torch.int32)
+    middle = pibar[1 : n - 1].float()
+    if fixed_pages is not None:
+        keep = _threshold_keep(middle, float(fixed_pages - 2), by_count=True)
+    elif gamma >= 1.0:
+        keep = torch.ones_like(middle, dtype=torch.bool)
+    else:
+        target = gamma - float(pibar[0]) - float(pibar[n - 1])
+        keep = _threshold_keep(middle, target, by_count=False)
+    kept_middle = torch.nonzero(keep).flatten() + 1
+    return torch.cat(
+        [torch.tensor([0]), kept_middle, torch.tensor([n - 1])]
+    ).to(torch.int32)
+
+
+# --------------------------------------------------------------------------
+# Attend over a page list, and the LSE merge
+# --------------------------------------------------------------------------
+def attend_pages(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    page_lists: list[torch.Tensor],
+    seq_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one row over each KV head's page list.
+
+    Returns the output ``[H_q, D]`` and its log-sum-exp ``[H_q]`` (fp32).
+    """
+    h_kv = keys.shape[0]
+    g = query.shape[0] // h_kv
+    outs, lses = [], []
+    for h in range(h_kv):
+        tokens = torch.cat(
+            [
+                torch.arange(p * PAGE_SIZE, min((p + 1) * PAGE_SIZE, seq_len))
+                for p in page_lists[h].tolist()
+            ]
+        )
+        q = query[h * g : (h + 1) * g].float() * scale  # [G, D]
+        logits = q @ keys[h, tokens].T  # [G, t]
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.softmax(logits, dim=-1) @ values[h, tokens])
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def merge_partials(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine chunk outputs ``[J, ..., D]`` by their log-sum-exp ``[J, ...]``."""
+    lse = torch.logsumexp(partial_lse, dim=0)
+    weights = torch.exp(partial_lse - lse).unsqueeze(-1)
+    return (weights * partial_out).sum(dim=0), lse
+
+
+# --------------------------------------------------------------------------
+# The whole decode step
+# --------------------------------------------------------------------------
+def sparse_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gamma: float = 0.98,
+    fixed_pages: int | None = None,
+    estimator: str = "mvar",
+) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """Moira's decode step for ``B`` rows: output ``[B, H_q, D]`` fp32 and the
+    page list of every (row, KV head). Rows with ``seq_len == 0`` give zeros."""
+    batch, h_q, head_size = query.shape
+    h_kv = kv_cache.shape[1]
+    out = torch.zeros(batch, h_q, head_size)
+    lists: list[list[torch.Tensor]] = []
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        if seq_len == 0:
+            lists.append([torch.zeros(0, dtype=torch.int32)] * h_kv)
+            continue
+        logmass = estimate_row_logmass(
+            query[b], kv_cache, summaries, block_table[b], seq_len, scale, estimator
+        )
+        pibar = group_mean_shares(logmass)
+        row_lists = [select_pages(pibar[h], gamma, fixed_pages) for h in range(h_kv)]
+        keys, values = row_keys_values(kv_cache, block_table[b], seq_len)
+        out[b] = attend_pages(query[b], keys, values, row_lists, seq_len, scale)[0]
+        lists.append(row_lists)
+    return out, lists
+
+
+def dense_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense decode attention over every token of each row: ``[B, H_q, D]``."""
+    batch, h_q, head_size = query.shape
+    h_kv = kv_cache.shape[1]
+    out = torch.zeros(batch, h_q, head_size)
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        if seq_len == 0:
+            continue
+        keys, values = row_keys_values(kv_cache, block_table[b], seq_len)
+        every_page = [torch.arange(num_pages(seq_len))] * h_kv
+        out[b] = attend_pages(query[b], keys, values, every_page, seq_len, scale)[0]
+    return out
