@@ -79,9 +79,7 @@ INTERPRETER_BF16_DOT_FIX = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "gpu: needs an NVIDIA Hopper GPU (run on the H200)"
-    )
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA Hopper GPU (run on the H200)")
 
 
 def _cuda_available() -> bool:

@@ -95,9 +95,7 @@ def synthetic_series(src: Path, dest: Path) -> list[str]:
     reg = (src / REGISTRY).read_text()
     anchor = "    CUSTOM = None\n"
     assert anchor in reg
-    new_reg = reg.replace(
-        anchor, '    MOIRA_TEST = "vllm.v1.attention.backends.x.Y"\n' + anchor, 1
-    )
+    new_reg = reg.replace(anchor, '    MOIRA_TEST = "vllm.v1.attention.backends.x.Y"\n' + anchor, 1)
     (dest / "0001-registry.patch").write_text(make_patch(REGISTRY, reg, new_reg))
     (dest / "0002-new-module.patch").write_text(
         make_patch("vllm/moira_test_new.py", None, "X = 1\n")
@@ -153,7 +151,12 @@ def test_check_broken_patch_fails_naming_it(clean_src: Path, tmp_path: Path, too
     (pdir / "0003-broken.patch").write_text(broken.replace("MOIRA_TEST", "MOIRA_TEST2"))
     (pdir / "series").write_text("0001-registry.patch\n0003-broken.patch\n")
     proc = run_build(
-        "--check", "--vllm-src", str(clean_src), "--patches", str(pdir), env=_tool_env(tool)
+        "--check",
+        "--vllm-src",
+        str(clean_src),
+        "--patches",
+        str(pdir),
+        env=_tool_env(tool),
     )
     assert proc.returncode != 0
     assert "0003-broken.patch" in proc.stderr
@@ -278,5 +281,11 @@ def test_build_refuses_wrong_vllm_version(fake_site: Path):
 
 def test_help():
     proc = run_build("--help", check=True)
-    for opt in ("--use-active-env", "--check", "--vllm-src", "--target-vllm", "--patches"):
+    for opt in (
+        "--use-active-env",
+        "--check",
+        "--vllm-src",
+        "--target-vllm",
+        "--patches",
+    ):
         assert opt in proc.stdout

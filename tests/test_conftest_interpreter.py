@@ -68,6 +68,8 @@ def test_bug_present_without_fix():
     finally:
         InterpreterBuilder.create_dot = fixed
     if torch.allclose(c, ref, rtol=1e-3, atol=1e-3):
-        pytest.skip("triton's interpreter now handles bf16 dot (issue #11584 fixed upstream): "
-                    "the conftest fix can be dropped")
+        pytest.skip(
+            "triton's interpreter now handles bf16 dot (issue #11584 fixed upstream): "
+            "the conftest fix can be dropped"
+        )
     assert not torch.allclose(c, ref, rtol=1e-3, atol=1e-3)
