@@ -1,0 +1,504 @@
+"""MOIRA as a vLLM backend (patched vLLM + overlay, CPU): registry, selection,
+refusals, configuration, and the decode/prefill split of the metadata builder."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.v1.attention.moira_backend_utils import (
+    make_vllm_config,
+    moira_module,
+    write_tiny_llama,
+)
+
+SM90 = None  # filled lazily (import of vllm.platforms happens under conftest env)
+
+
+def _cap(major: int, minor: int = 0):
+    from vllm.platforms.interface import DeviceCapability
+
+    return DeviceCapability(major, minor)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("MOIRA_") or name == "VLLM_ATTENTION_BACKEND":
+            monkeypatch.delenv(name)
+
+
+# ---------------------------------------------------------------- registry (0001)
+def test_enum_member_path():
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    member = AttentionBackendEnum["MOIRA"]
+    assert member.get_path() == "vllm.v1.attention.backends.moira.MoiraBackend"
+    assert AttentionConfig.validate_backend_before("moira") is member
+
+
+def test_enum_resolves_to_overlay_class():
+    """Needs the backend section merged into moira.py (the enum's in-tree path)."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cls = AttentionBackendEnum.MOIRA.get_class()
+    assert cls.__name__ == "MoiraBackend"
+    assert cls.__module__ == "vllm.v1.attention.backends.moira"
+    assert issubclass(cls, FlashAttentionBackend)
+    assert cls.get_name() == "MOIRA"
+    # Attention.__init__ maps the class back through the enum by name.
+    assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.MOIRA
+
+
+def test_not_in_cuda_priority_lists():
+    """Opt-in only. platforms/cuda.py cannot be imported without libcuda: read its source."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("vllm")
+    src = (pathlib.Path(spec.origin).parent / "platforms" / "cuda.py").read_text()
+    start = src.index("def _get_backend_priorities")
+    end = src.index("\ndef ", start + 1)
+    assert "FLASH_ATTN" in src[start:end]
+    assert "MOIRA" not in src[start:end]
+
+
+# ---------------------------------------------------------------- selection (0002)
+def test_cli_selects_moira(tiny_model):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cfg = make_vllm_config(tiny_model, attention_backend="MOIRA")
+    assert cfg.attention_config.backend is AttentionBackendEnum.MOIRA
+
+
+def test_env_selects_moira(tiny_model, monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "moira")
+    cfg = make_vllm_config(tiny_model, attention_backend=None)
+    assert cfg.attention_config.backend is AttentionBackendEnum.MOIRA
+
+
+def test_env_is_a_known_vllm_variable():
+    import vllm.envs as envs
+
+    assert "VLLM_ATTENTION_BACKEND" in envs.environment_variables
+
+
+def test_env_and_cli_same_value_ok(tiny_model, monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "MOIRA")
+    cfg = make_vllm_config(tiny_model, attention_backend="moira")
+    assert cfg.attention_config.backend is AttentionBackendEnum.MOIRA
+
+
+def test_env_and_cli_conflict_errors(tiny_model, monkeypatch):
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "MOIRA")
+    with pytest.raises(ValueError, match=r"VLLM_ATTENTION_BACKEND='MOIRA' conflicts.*FLASH_ATTN"):
+        make_vllm_config(tiny_model, attention_backend="FLASH_ATTN")
+
+
+def test_env_and_attention_config_conflict_errors(tiny_model, monkeypatch):
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
+    with pytest.raises(ValueError, match="conflicts"):
+        make_vllm_config(
+            tiny_model, attention_backend=None, attention_config={"backend": "MOIRA"}
+        )
+
+
+def test_env_invalid_name_errors(tiny_model, monkeypatch):
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "MOIRAA")
+    with pytest.raises(ValueError, match=r"Invalid VLLM_ATTENTION_BACKEND='MOIRAA'.*MOIRA"):
+        make_vllm_config(tiny_model, attention_backend=None)
+
+
+# ---------------------------------------------------------------- backend hooks
+def _good(**over):
+    kw = dict(
+        head_size=128,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=None,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=_cap(9, 0),
+        attn_type="decoder",
+    )
+    kw.update(over)
+    return kw
+
+
+def test_good_configuration_has_no_reasons():
+    backend = moira_module().MoiraBackend
+    assert backend.validate_configuration(**_good()) == []
+    assert backend.validate_configuration(**_good(head_size=64, kv_cache_dtype="bfloat16")) == []
+    assert backend.validate_configuration(**_good(block_size=64)) == []
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"head_size": 96}, r"head_size=96 .*\[64, 128\]"),
+        ({"head_size": 256}, r"head_size=256 .*\[64, 128\]"),
+        ({"dtype": torch.float16}, r"dtype=torch.float16 .*bfloat16"),
+        ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' .*'auto' or 'bfloat16'"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, r"kv_cache_dtype='fp8_e4m3'"),
+        ({"block_size": 16}, r"block_size=16 .*exactly 64"),
+        ({"block_size": 32}, r"block_size=32 .*exactly 64"),
+        ({"use_mla": True}, r"MLA"),
+        ({"use_sparse": True}, r"sparse"),
+        ({"has_sink": True}, r"sinks"),
+        ({"use_mm_prefix": True}, r"mm_prefix"),
+        ({"use_per_head_quant_scales": True}, r"per-head"),
+        ({"device_capability": _cap(8, 0)}, r"compute capability 8\.0 .*SM90"),
+        ({"device_capability": _cap(10, 0)}, r"compute capability 10\.0 .*SM90"),
+        ({"attn_type": "encoder_only"}, r"attention type 'encoder_only'.*'decoder'"),
+        ({"attn_type": "encoder_decoder"}, r"attention type 'encoder_decoder'"),
+        ({"has_sliding_window": True}, r"sliding-window"),
+        ({"use_rswa": True}, r"R-SWA"),
+        ({"use_non_causal": True}, r"non-causal"),
+        ({"use_batch_invariant": True}, r"batch invariance"),
+        ({"use_kv_connector": True}, r"KV connectors"),
+        ({"use_dcp": True}, r"decode context parallelism"),
+        ({"use_pcp": True}, r"prefill context parallelism"),
+        ({"use_adaptive_verification": True}, r"speculative"),
+        ({"use_some_future_flag": True}, r"use_some_future_flag=True"),
+    ],
+)
+def test_each_refusal_names_the_option(override, expected):
+    import re
+
+    reasons = moira_module().MoiraBackend.validate_configuration(**_good(**override))
+    assert len(reasons) == 1, reasons
+    assert re.search(expected, reasons[0]), reasons[0]
+    assert "MOIRA" in reasons[0]
+
+
+def test_selector_flags():
+    backend = moira_module().MoiraBackend
+    assert backend.get_name() == "MOIRA"
+    assert backend.get_supported_kernel_block_sizes() == [64]
+    assert backend.get_preferred_block_size(16) == 64
+    assert backend.supports_block_size(64) and backend.supports_block_size(128)
+    assert not backend.supports_block_size(16)
+    assert backend.supported_dtypes == [torch.bfloat16]
+    assert not backend.supports_kv_cache_dtype("fp8")
+    # DCP/PCP are read from the impl class by the selector.
+    assert not backend.supports_dcp() and not backend.supports_pcp()
+    assert not backend.supports_kv_connector()
+    assert not backend.is_mla()
+
+
+# ---------------------------------------------------------------- configuration
+def test_config_defaults():
+    cfg = moira_module().moira_config_from_env({})
+    assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
+    assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
+
+
+def test_config_from_env_values():
+    cfg = moira_module().moira_config_from_env(
+        {"MOIRA_GAMMA": "1", "MOIRA_SELECTOR": "FIXED", "MOIRA_FIXED_PAGES": "16",
+         "MOIRA_MIN_CHUNK_PAGES": "8", "MOIRA_MIN_SPLITS_PER_ROW": "4",
+         "MOIRA_MIN_SPLITS_TOTAL": "128"}
+    )
+    assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
+    assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"MOIRA_GAMMA": "0"}, r"gamma must be in \(0, 1\]"),
+        ({"MOIRA_GAMMA": "1.5"}, r"gamma must be in \(0, 1\]"),
+        ({"MOIRA_GAMMA": "high"}, r"MOIRA_GAMMA='high' is not a valid float"),
+        ({"MOIRA_SELECTOR": "topk"}, r"selector must be one of"),
+        ({"MOIRA_SELECTOR": "fixed"}, r"needs fixed_pages"),
+        ({"MOIRA_FIXED_PAGES": "8"}, r"fixed_pages is only used with selector='fixed'"),
+        ({"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"}, r"fixed_pages"),
+        ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"min_chunk_pages must be an integer >= 1"),
+        ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
+        ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
+    ],
+)
+def test_config_errors(env, expected):
+    with pytest.raises(ValueError, match=expected):
+        moira_module().moira_config_from_env(env)
+
+
+def test_bad_env_config_is_a_selection_refusal(monkeypatch):
+    monkeypatch.setenv("MOIRA_GAMMA", "2")
+    reasons = moira_module().MoiraBackend.validate_configuration(**_good())
+    assert any("gamma" in r for r in reasons), reasons
+
+
+def _fake_vllm_config(**over):
+    cfg = SimpleNamespace(
+        speculative_config=None,
+        kv_transfer_config=None,
+        cache_config=SimpleNamespace(kv_offloading_size=None, kv_sharing_fast_prefill=False),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+            use_ubatching=False,
+        ),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, is_hybrid=False),
+    )
+    for path, value in over.items():
+        obj = cfg
+        *parents, leaf = path.split(".")
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, leaf, value)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"speculative_config": object()}, r"speculative decoding"),
+        ({"kv_transfer_config": object()}, r"KV connectors"),
+        ({"cache_config.kv_offloading_size": 4.0}, r"offloading"),
+        ({"cache_config.kv_sharing_fast_prefill": True}, r"kv_sharing_fast_prefill"),
+        ({"parallel_config.decode_context_parallel_size": 2}, r"decode_context_parallel_size=2"),
+        ({"parallel_config.prefill_context_parallel_size": 2}, r"prefill_context_parallel_size=2"),
+        ({"parallel_config.use_ubatching": True}, r"DBO"),
+        ({"model_config.dtype": torch.float16}, r"bfloat16"),
+        ({"model_config.is_hybrid": True}, r"hybrid"),
+    ],
+)
+def test_engine_level_refusals(override, expected):
+    mod = moira_module()
+    assert mod._unsupported_vllm_config_reasons(_fake_vllm_config()) == []
+    with pytest.raises(ValueError, match=expected):
+        mod.check_vllm_config_for_moira(_fake_vllm_config(**override))
+
+
+def test_builder_refuses_spec_decode(tiny_model):
+    mod = moira_module()
+    cfg = make_vllm_config(tiny_model)
+    cfg.speculative_config = object()
+    with pytest.raises(ValueError, match="speculative decoding"):
+        mod.MoiraMetadataBuilder(_spec(cfg), ["layers.0.attn"], cfg, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- impl refusals
+_IMPL_ARGS = dict(
+    num_heads=4,
+    head_size=64,
+    scale=0.125,
+    num_kv_heads=2,
+    alibi_slopes=None,
+    sliding_window=None,
+    kv_cache_dtype="auto",
+)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"alibi_slopes": [1.0, 1.0, 1.0, 1.0]}, "ALiBi"),
+        ({"logits_soft_cap": 30.0}, "soft-capping"),
+        ({"sinks": torch.zeros(4)}, "sinks"),
+        ({"sliding_window": 4096}, "sliding_window=4096"),
+        ({"attn_type": "encoder_only"}, "decoder self-attention only"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+        ({"head_size": 80}, r"head sizes \[64, 128\], got 80"),
+    ],
+)
+def test_impl_refusals(override, expected):
+    with pytest.raises(ValueError, match=expected):
+        moira_module().MoiraImpl(**{**_IMPL_ARGS, **override})
+
+
+def test_impl_flags():
+    impl_cls = moira_module().MoiraImpl
+    assert impl_cls.supports_dcp is False and impl_cls.supports_pcp is False
+    assert impl_cls.can_return_lse_for_decode is False
+
+
+# ---------------------------------------------------------------- builder split
+def _spec(cfg):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(
+        block_size=cfg.cache_config.block_size,
+        num_kv_heads=cfg.model_config.get_num_kv_heads(cfg.parallel_config),
+        head_size=cfg.model_config.get_head_size(),
+        dtype=cfg.model_config.dtype,
+    )
+
+
+def _cam(query_lens, seq_lens, block_size=64, max_blocks=16):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    n = len(query_lens)
+    # Distinct block ids per row so row slicing mistakes show up.
+    bt = (torch.arange(n * max_blocks, dtype=torch.int32) + 1).view(n, max_blocks)
+    num_tokens = int(qsl[-1])
+    slots = torch.arange(1000, 1000 + num_tokens, dtype=torch.int64)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq.clone(),
+        num_reqs=n,
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=bt,
+        slot_mapping=slots,
+        seq_lens_cpu_upper_bound=seq.clone(),
+        is_prefilling=torch.tensor([q > 1 for q in query_lens]),
+    )
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model):
+    from vllm.config import set_current_vllm_config
+
+    cfg = make_vllm_config(tiny_model)
+    with set_current_vllm_config(cfg):
+        b = moira_module().MoiraMetadataBuilder(
+            _spec(cfg), ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu")
+        )
+    return b
+
+
+def test_builder_static_setup(builder):
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    mod = moira_module()
+    assert builder.reorder_batch_threshold == 1
+    assert mod.MoiraMetadataBuilder.get_cudagraph_support(None, None) == (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+    assert builder.use_cascade_attention() is False
+    ws = builder.workspace
+    assert isinstance(ws, mod.MoiraWorkspace)
+    assert ws.max_num_seqs == 8 and ws.max_pages == 1024 // 64
+    assert (ws.num_q_heads, ws.num_kv_heads, ws.head_size) == (4, 2, 64)
+
+
+def test_builder_mixed_batch_split(builder):
+    # 3 decode rows (1 token) then 2 prefill rows (5 and 7 tokens).
+    cam = _cam([1, 1, 1, 5, 7], [100, 200, 70, 5, 40])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens) == (3, 3)
+    assert (md.num_prefills, md.num_prefill_tokens) == (2, 12)
+    assert md.num_actual_tokens == 15
+    # Decode views alias the runner's buffers (no copies: graph-safe).
+    assert md.decode_seq_lens.data_ptr() == cam.seq_lens.data_ptr()
+    assert md.decode_block_table.data_ptr() == cam.block_table_tensor.data_ptr()
+    assert md.decode_seq_lens.tolist() == [100, 200, 70]
+    assert torch.equal(md.decode_block_table, cam.block_table_tensor[:3])
+    assert md.workspace is builder.workspace
+    assert md.config.gamma == 0.98
+
+    p = md.prefill
+    assert p is not None
+    assert p.num_actual_tokens == 12
+    assert p.query_start_loc.tolist() == [0, 5, 12]
+    assert p.seq_lens.tolist() == [5, 40]
+    assert p.max_query_len == 7
+    assert p.max_seq_len == 40
+    assert torch.equal(p.block_table, cam.block_table_tensor[3:])
+    assert p.slot_mapping.tolist() == list(range(1003, 1015))
+    assert p.use_cascade is False
+    # The runner's buffers are not modified.
+    assert cam.query_start_loc.tolist() == [0, 1, 2, 3, 8, 15]
+
+
+def test_builder_pure_decode_batch(builder):
+    cam = _cam([1, 1, 1, 1], [65, 64, 1, 300])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (4, 4, 0)
+    assert md.prefill is None
+
+
+def test_builder_pure_prefill_batch(builder):
+    cam = _cam([9, 3], [9, 130])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (0, 2, 12)
+    assert md.prefill.query_start_loc.tolist() == [0, 9, 12]
+    assert md.prefill.seq_lens.tolist() == [9, 130]
+    assert md.decode_seq_lens.numel() == 0
+
+
+def test_builder_capture_metadata_padded_rows(builder):
+    """FULL-graph capture metadata: padded rows have seq_len 0 and stay decodes."""
+    cam = _cam([1, 1, 1, 1], [1, 1, 0, 0])
+    md = builder.build_for_cudagraph_capture(cam)
+    assert (md.num_decodes, md.num_prefills) == (4, 0)
+    assert md.decode_seq_lens.tolist() == [1, 1, 0, 0]
+
+
+# ---------------------------------------------------------------- impl routing
+def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    mod = moira_module()
+    cam = _cam([1, 1, 1, 5, 7], [100, 200, 70, 5, 40])
+    md = builder.build(0, cam)
+    with set_current_vllm_config(builder.vllm_config):
+        impl = mod.MoiraImpl(**_IMPL_ARGS)
+
+    calls = {}
+
+    def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace,
+                    scale, config):
+        calls["decode"] = (query.shape, summaries.shape, block_table, seq_lens, workspace)
+        output.fill_(1)
+
+    def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
+        calls["fa"] = (query.shape, key.shape, attn_metadata)
+        output.fill_(2)
+        return output
+
+    monkeypatch.setattr(mod, "moira_decode", fake_decode)
+    monkeypatch.setattr(FlashAttentionImpl, "forward", fake_fa)
+    kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
+    impl.bind_kv_cache_extras(None, kv_cache)
+    q = torch.randn(15, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(15, 2, 64, dtype=torch.bfloat16)
+    out = torch.zeros(15, 4, 64, dtype=torch.bfloat16)
+    impl.forward(None, q, k, k, kv_cache, md, out)
+    impl.release_kv_cache_extras(None)
+
+    qshape, sshape, bt, sl, ws = calls["decode"]
+    assert tuple(qshape) == (3, 4, 64)
+    assert tuple(sshape) == (16, 2, 2, 64)
+    assert bt is md.decode_block_table and sl is md.decode_seq_lens
+    assert ws is builder.workspace
+    fq, fk, fmd = calls["fa"]
+    assert tuple(fq) == (12, 4, 64) and tuple(fk) == (12, 2, 64)
+    assert fmd is md.prefill
+    assert out[:3].eq(1).all() and out[3:].eq(2).all()
+
+
+def test_forward_profiling_run_fills_zero(builder):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(builder.vllm_config):
+        impl = moira_module().MoiraImpl(**_IMPL_ARGS)
+    out = torch.ones(3, 4, 64)
+    impl.forward(None, out, out, out, torch.empty(0), None, out)
+    assert out.eq(0).all()

@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Moira page summaries: allocation, sharing and memory accounting.
+
+Installed as ``vllm.v1.worker.moira_summaries``. The Moira impl calls these
+helpers from the KV-cache extras hook (``AttentionImplBase.
+bind_kv_cache_extras`` / ``release_kv_cache_extras``, patch 0003), which both
+model runners reach right after the KV cache is bound and before warmup and
+CUDA-graph capture.
+
+One summary buffer per KV-cache *view*: ``[num_kernel_blocks, H_kv, 2, D]``
+bf16 (per-channel mean and variance of the 64 keys of each page), indexed by
+the same kernel block id as the view's dim 0, i.e. the values stored in the
+block table. It is sized from the view itself, not from
+``kv_cache_config.num_blocks``: when the manager block is a multiple of 64,
+each manager block is split into several 64-token kernel blocks and the view
+has that many more rows. Layers that share a KV view (cross-layer KV sharing)
+get the same summary buffer: the registry is keyed on the view's device,
+``data_ptr()`` and geometry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Tokens per page (one summary per page); equals MOIRA_PAGE_SIZE.
+PAGE_SIZE = 64
+
+# (device, data_ptr, shape) of a KV view -> [summaries, number of holders].
+_REGISTRY: dict[tuple, list] = {}
+
+
+def summary_key(kv_cache: torch.Tensor) -> tuple:
+    """Identity of a KV view: same storage offset and geometry."""
+    return (str(kv_cache.device), kv_cache.data_ptr(), tuple(kv_cache.shape))
+
+
+def summary_shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """``[num_blocks, H_kv, 2, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view."""
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != PAGE_SIZE:
+        raise ValueError(
+            "Moira: expected a KV cache view [num_blocks, num_kv_heads, 64, "
+            f"2 * head_size], got shape {tuple(kv_cache.shape)}; the kernel "
+            "block size must be 64"
+        )
+    num_blocks, num_kv_heads, _, width = kv_cache.shape
+    return (num_blocks, num_kv_heads, 2, width // 2)
+
+
+def acquire_summaries(kv_cache: torch.Tensor) -> torch.Tensor:
+    """Return the summary buffer of this KV view, allocating it on first use.
+
+    Zero-filled: a page that has never been filled (e.g. the null block 0)
+    has a zero summary and is never selected on its own merit.
+    """
+    key = summary_key(kv_cache)
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        summaries = torch.zeros(
+            summary_shape(kv_cache), dtype=torch.bfloat16, device=kv_cache.device
+        )
+        entry = _REGISTRY[key] = [summaries, 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release_summaries(key: tuple) -> None:
+    """Drop one holder; the buffer is freed with its last holder."""
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _REGISTRY[key]
+
+
+def live_summary_bytes() -> int:
+    """Device bytes held by summary buffers right now (for tests/logging)."""
+    return sum(t.numel() * t.element_size() for t, _ in _REGISTRY.values())
+
+
+def summary_bytes_for_kv_bytes(kv_cache_bytes: int) -> int:
+    """Summary bytes for a bf16 KV view of ``kv_cache_bytes``.
+
+    A page holds 64 tokens x 2D values (K and V) per KV head; its summary
+    2D values (mean and variance of K). So summaries are exactly 1/64 of the
+    KV bytes (rounded up).
+    """
+    return -(-kv_cache_bytes // PAGE_SIZE)
+
+
+def workspace_bytes(
+    vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int
+) -> int:
+    """Bytes of the builder's persistent MoiraWorkspace for this engine.
+
+    Computed by building the workspace on the ``meta`` device (shapes only,
+    no memory), so it always matches what MoiraMetadataBuilder allocates.
+    """
+    from vllm.v1.attention.backends.moira import MOIRA_PAGE_SIZE, MoiraWorkspace
+
+    try:
+        from vllm.v1.attention.backends.moira import moira_config_from_env
+    except ImportError:  # backend section not merged into moira.py yet
+        from vllm.v1.attention.backends.moira_backend_section import (
+            moira_config_from_env,
+        )
+
+    max_pages = -(-vllm_config.model_config.max_model_len // MOIRA_PAGE_SIZE)
+    ws = MoiraWorkspace(
+        vllm_config.scheduler_config.max_num_seqs,
+        num_q_heads,
+        num_kv_heads,
+        head_size,
+        max_pages,
+        moira_config_from_env(),
+        torch.device("meta"),
+    )
+    return int(ws.nbytes())
