@@ -28,18 +28,16 @@ def make_kv_cache(
     ``[64, H_kv, 2D]``; ``"head_major"`` (LBHNC/"HND") as ``[H_kv, 64, 2D]``.
     """
     if layout == "token_major":
-        raw = torch.randn(
-            num_blocks, PAGE, num_kv_heads, 2 * head_size, generator=generator
-        )
-        cache = raw.to(device=device, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+        shape, order = (num_blocks, PAGE, num_kv_heads, 2 * head_size), (0, 2, 1, 3)
     elif layout == "head_major":
-        raw = torch.randn(
-            num_blocks, num_kv_heads, PAGE, 2 * head_size, generator=generator
-        )
-        cache = raw.to(device=device, dtype=torch.bfloat16)
+        shape, order = (num_blocks, num_kv_heads, PAGE, 2 * head_size), (0, 1, 2, 3)
     else:
-        raise ValueError(layout)
-    return cache
+        raise ValueError(f"layout must be 'token_major' or 'head_major', got {layout!r}")
+    if torch.device(device).type == "cpu":
+        raw = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    else:  # GPU-sized caches: draw on the device (seeded by torch.manual_seed)
+        raw = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    return raw.permute(order)
 
 
 def make_block_table(

@@ -71,7 +71,7 @@ def exact_page_logmass(
     n = num_pages(seq_len)
     q = query.float().view(h_kv, g, -1) * scale
     logits = torch.einsum("hgd,htd->hgt", q, keys)  # [H, G, T]
-    padded = torch.full((h_kv, g, n * PAGE_SIZE), -math.inf)
+    padded = torch.full((h_kv, g, n * PAGE_SIZE), -math.inf, device=keys.device)
     padded[..., :seq_len] = logits
     return torch.logsumexp(padded.view(h_kv, g, n, PAGE_SIZE), dim=-1)
 
@@ -164,6 +164,7 @@ def select_pages(
     n = pibar.numel()
     if n <= 2:
         return torch.arange(n, dtype=torch.int32)
+    pibar = pibar.float().cpu()
     middle = pibar[1 : n - 1].float()
     if fixed_pages is not None:
         keep = _threshold_keep(middle, float(fixed_pages - 2), by_count=True)
@@ -172,10 +173,10 @@ def select_pages(
     else:
         target = gamma - float(pibar[0]) - float(pibar[n - 1])
         keep = _threshold_keep(middle, target, by_count=False)
-    kept_middle = torch.nonzero(keep).flatten() + 1
-    return torch.cat(
-        [torch.tensor([0]), kept_middle, torch.tensor([n - 1])]
-    ).to(torch.int32)
+    kept_middle = torch.nonzero(keep).flatten().cpu() + 1
+    return torch.cat([torch.tensor([0]), kept_middle, torch.tensor([n - 1])]).to(
+        torch.int32
+    )
 
 
 # --------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def attend_pages(
                 torch.arange(p * PAGE_SIZE, min((p + 1) * PAGE_SIZE, seq_len))
                 for p in page_lists[h].tolist()
             ]
-        )
+        ).to(keys.device)
         q = query[h * g : (h + 1) * g].float() * scale  # [G, D]
         logits = q @ keys[h, tokens].T  # [G, t]
         lse = torch.logsumexp(logits, dim=-1)
@@ -238,7 +239,7 @@ def sparse_decode(
     page list of every (row, KV head). Rows with ``seq_len == 0`` give zeros."""
     batch, h_q, head_size = query.shape
     h_kv = kv_cache.shape[1]
-    out = torch.zeros(batch, h_q, head_size)
+    out = torch.zeros(batch, h_q, head_size, device=query.device)
     lists: list[list[torch.Tensor]] = []
     for b in range(batch):
         seq_len = int(seq_lens[b])
@@ -266,7 +267,7 @@ def dense_decode(
     """Dense decode attention over every token of each row: ``[B, H_q, D]``."""
     batch, h_q, head_size = query.shape
     h_kv = kv_cache.shape[1]
-    out = torch.zeros(batch, h_q, head_size)
+    out = torch.zeros(batch, h_q, head_size, device=query.device)
     for b in range(batch):
         seq_len = int(seq_lens[b])
         if seq_len == 0:

@@ -1,0 +1,371 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Moira kernels at real shapes on a Hopper GPU: correctness record + timing sanity.
+
+Llama-3.1-8B geometry (32 query heads, 8 KV heads, D=128), 64-token pages in
+shuffled blocks (block 0 = vLLM's null block), ragged row lengths.
+
+Correctness (written to --json):
+- gamma=1 keeps every page and matches vLLM's FA3 (flash_attn_varlen_func over
+  the same paged cache) within one bf16 ulp, and a float32 dense reference;
+- CUDA-graph replay equals eager execution bit for bit, also after the row
+  lengths and queries change under the captured graph;
+- Select's lists equal the float32 reference lists (from the same log-masses);
+- Estimate matches the float32 reference; sparse output matches the reference
+  on the kernel's lists; head-major and token-major layouts give identical bits.
+
+Timing sanity (--timing-json, not a test): Estimate+Select per layer, Attend +
+Merge on the kept pages with their achieved bandwidth, dense FA3, and the
+device-to-device copy rate measured in the same run.
+
+    python benchmarks/moira_correctness.py --json benchmarks/results/correctness_h200.json \
+        --timing-json benchmarks/results/kernel_timing_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.v1.attention.moira_test_utils import (  # noqa: E402
+    PAGE,
+    make_block_table,
+    make_kv_cache,
+    shape_attention,
+)
+from vllm.v1.attention.backends import moira  # noqa: E402
+from vllm_moira.v1.attention.ops import moira_reference as ref  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+SCALE = D**-0.5
+
+
+# --------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------
+def build_case(batch, context, layout="token_major", pattern="concentrated", seed=0,
+               ragged=True):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [context] * batch
+    if ragged:  # partial last pages, different per row
+        seq_lens = [context - int(x) for x in torch.randint(0, 200, (batch,), generator=gen)]
+    max_pages = math.ceil(context / PAGE)
+    num_blocks = batch * max_pages + 17
+    torch.manual_seed(seed)
+    kv = make_kv_cache(num_blocks, HKV, D, layout, device="cuda")
+    table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen, device="cuda")
+    query = torch.randn(batch, HQ, D, device="cuda").to(torch.bfloat16)
+    shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
+    summaries = torch.zeros(num_blocks, HKV, 2, D, dtype=torch.bfloat16, device="cuda")
+    all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
+    moira.write_page_summaries(kv, summaries, all_last_slots)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return dict(kv=kv, summaries=summaries, table=table, seq=seq, query=query,
+                seq_lens=seq_lens, max_pages=max_pages)  # fmt: skip
+
+
+def workspace(case, config):
+    return moira.MoiraWorkspace(case["query"].shape[0], HQ, HKV, D, case["max_pages"],
+                                config, "cuda")  # fmt: skip
+
+
+def run_moira(case, config, ws=None):
+    ws = ws or workspace(case, config)
+    out = torch.full_like(case["query"], float("nan"))
+    moira.moira_decode(case["query"], case["kv"], case["summaries"], case["table"],
+                       case["seq"], out, ws, SCALE, config)  # fmt: skip
+    torch.cuda.synchronize()
+    return out, ws
+
+
+def fa3_decode(case):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    kv, query = case["kv"], case["query"]
+    key_cache = kv.transpose(1, 2)[..., :D]  # [blocks, 64, H_kv, D] views
+    value_cache = kv.transpose(1, 2)[..., D:]
+    batch = query.shape[0]
+    out = torch.empty_like(query)
+    flash_attn_varlen_func(
+        q=query, k=key_cache, v=value_cache, out=out, max_seqlen_q=1,
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        max_seqlen_k=max(case["seq_lens"]), seqused_k=case["seq"],
+        block_table=case["table"], softmax_scale=SCALE, causal=True, fa_version=3,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return out
+
+
+def ulp_distance(a, b):
+    """Largest |a - b| in units of the bf16 spacing at max(|a|, |b|)."""
+    a, b = a.float(), b.float()
+    mag = torch.maximum(a.abs(), b.abs()).clamp_min(2.0**-126)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(mag)) - 7)
+    return float(((a - b).abs() / ulp).max())
+
+
+def dense_reference_rows(case, rows):
+    out = {}
+    for row in rows:
+        keys, values = ref.row_keys_values(case["kv"], case["table"][row],
+                                           case["seq_lens"][row])  # fmt: skip
+        every = [torch.arange(math.ceil(case["seq_lens"][row] / PAGE))] * HKV
+        out[row] = ref.attend_pages(case["query"][row], keys, values, every,
+                                    case["seq_lens"][row], SCALE)[0]  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------
+def check_gamma_one(case):
+    config = moira.MoiraConfig(gamma=1.0)
+    out, ws = run_moira(case, config)
+    batch = out.shape[0]
+    counts = ws.page_count[:batch].cpu()
+    pages = torch.tensor([math.ceil(s / PAGE) for s in case["seq_lens"]])
+    fa3 = fa3_decode(case)
+    rows = [0, batch - 1]
+    dense = dense_reference_rows(case, rows)
+    return {
+        "keeps_every_page": bool(torch.all(counts == pages[:, None])),
+        "max_abs_diff_vs_fa3": float((out.float() - fa3.float()).abs().max()),
+        "max_ulp_vs_fa3": ulp_distance(out, fa3),
+        "max_abs_diff_fa3_vs_fp32": max(
+            float((fa3[r].float() - dense[r]).abs().max()) for r in rows),
+        "max_abs_diff_moira_vs_fp32": max(
+            float((out[r].float() - dense[r]).abs().max()) for r in rows),
+        "all_finite": bool(torch.isfinite(out).all()),
+    }  # fmt: skip
+
+
+def check_graph_replay(case, gamma=0.98):
+    """Capture at the case's lengths, replay at the same and at shorter
+    lengths (changed in place under the graph), compare with eager bits."""
+    config = moira.MoiraConfig(gamma=gamma)
+    ws = workspace(case, config)
+    out = torch.zeros_like(case["query"])
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+
+    def step():
+        moira.moira_decode(*args, out, ws, SCALE, config)
+
+    step()  # compile + warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    results = {}
+    original_seq = case["seq"].clone()
+    original_query = case["query"].clone()
+    gen = torch.Generator().manual_seed(3)
+    for name in ("same_lengths", "shorter_lengths", "mixed_lengths"):
+        if name == "shorter_lengths":
+            case["seq"].copy_((original_seq // 3).clamp_min(1))
+            case["query"].copy_(torch.randn_like(original_query.float()).bfloat16())
+        elif name == "mixed_lengths":
+            lengths = torch.randint(1, int(original_seq.max()) + 1, original_seq.shape,
+                                    generator=gen)  # fmt: skip
+            case["seq"].copy_(torch.minimum(lengths.to("cuda", torch.int32), original_seq))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        lists_replayed = ws.page_list.clone(), ws.page_count.clone()
+        out.fill_(float("nan"))
+        step()
+        torch.cuda.synchronize()
+        results[name] = {
+            "bitwise_equal": bool(torch.equal(replayed, out)),
+            "lists_equal": bool(torch.equal(lists_replayed[1], ws.page_count)
+                                and torch.equal(lists_replayed[0], ws.page_list)),
+        }  # fmt: skip
+    case["seq"].copy_(original_seq)
+    case["query"].copy_(original_query)
+    return results
+
+
+def check_select_and_estimate(case, gamma=0.98, estimate_rows=2):
+    config = moira.MoiraConfig(gamma=gamma)
+    out, ws = run_moira(case, config)
+    batch = out.shape[0]
+    logmass = ws.logmass[:batch].cpu()
+    page_list, page_count = ws.page_list[:batch].cpu(), ws.page_count[:batch].cpu()
+    rows_checked = rows_equal = 0
+    kept, total = 0, 0
+    lists = []
+    for row in range(batch):
+        n = math.ceil(case["seq_lens"][row] / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        row_lists = []
+        for h in range(HKV):
+            expected = ref.select_pages(pibar[h], gamma=gamma)
+            got = page_list[row, h, : int(page_count[row, h])]
+            rows_checked += 1
+            rows_equal += int(got.tolist() == expected.tolist())
+            kept += int(page_count[row, h])
+            total += n
+            row_lists.append(got)
+        lists.append(row_lists)
+    est_err = 0.0
+    sparse_err = 0.0
+    for row in range(min(estimate_rows, batch)):
+        seq_len = case["seq_lens"][row]
+        n = math.ceil(seq_len / PAGE)
+        expected = ref.estimate_row_logmass(
+            case["query"][row], case["kv"], case["summaries"], case["table"][row],
+            seq_len, SCALE).cpu()  # fmt: skip
+        est_err = max(est_err, float((logmass[row, :, :, :n] - expected).abs().max()))
+        keys, values = ref.row_keys_values(case["kv"], case["table"][row], seq_len)
+        sparse = ref.attend_pages(case["query"][row], keys, values, lists[row],
+                                  seq_len, SCALE)[0]  # fmt: skip
+        sparse_err = max(sparse_err, float((out[row].float() - sparse).abs().max()))
+    return {
+        "gamma": gamma,
+        "rows_checked": rows_checked,
+        "rows_equal": rows_equal,
+        "kept_fraction": kept / total,
+        "estimate_max_abs_err": est_err,
+        "sparse_vs_fp32_max_abs_diff": sparse_err,
+    }
+
+
+def check_layouts(case_token_major):
+    """Head-major copy of the same cache gives bit-identical output."""
+    kv = case_token_major["kv"]
+    head_major = dict(case_token_major)
+    head_major["kv"] = kv.contiguous()  # logical [B, H, N, C] stored head-major
+    config = moira.MoiraConfig(gamma=0.98)
+    a, _ = run_moira(case_token_major, config)
+    b, _ = run_moira(head_major, config)
+    del head_major
+    return {"bitwise_equal": bool(torch.equal(a, b))}
+
+
+# --------------------------------------------------------------------------
+# Timing sanity
+# --------------------------------------------------------------------------
+def graph_time_us(fn, reps=20, iters=15):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_tbps(nbytes=4 << 30):
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    us = graph_time_us(lambda: y.copy_(x), reps=5, iters=10)
+    del x, y
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def time_case(case, kept_fraction=0.22):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    batch = case["query"].shape[0]
+    rows = {}
+    coverage = moira.MoiraConfig(gamma=0.98)
+    ws = workspace(case, coverage)
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    rows["estimate_select_us"] = graph_time_us(
+        lambda: moira.estimate_and_select(*args, ws, SCALE, coverage))
+    out = torch.empty_like(case["query"])
+    # Attend + Merge on a fixed-count list (kept_fraction of the pages).
+    fixed = moira.MoiraConfig(selector="fixed",
+                              fixed_pages=max(2, round(kept_fraction * case["max_pages"])))
+    ws_fixed = workspace(case, fixed)
+    moira.estimate_and_select(*args, ws_fixed, SCALE, fixed)
+    torch.cuda.synchronize()
+    counts = ws_fixed.page_count[:batch]
+    kept_bytes = int(counts.sum()) * PAGE * 2 * D * 2
+    attend_us = graph_time_us(lambda: moira.attend(
+        case["query"], case["kv"], case["table"], case["seq"], ws_fixed.page_list,
+        ws_fixed.page_count, out, ws_fixed, SCALE, fixed))
+    rows["attend_merge_us"] = attend_us
+    rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
+    rows["attend_tbps"] = kept_bytes / (attend_us * 1e-6) / 1e12
+    rows["moira_step_fixed_us"] = graph_time_us(
+        lambda: moira.moira_decode(*args, out, ws_fixed, SCALE, fixed))
+    rows["moira_step_coverage_us"] = graph_time_us(
+        lambda: moira.moira_decode(*args, out, ws, SCALE, coverage))
+    counts_cov = ws.page_count[:batch]
+    rows["coverage_kept_fraction"] = int(counts_cov.sum()) / sum(
+        math.ceil(s / PAGE) * HKV for s in case["seq_lens"])
+    kv = case["kv"]
+    fa_out = torch.empty_like(case["query"])
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    rows["dense_fa3_us"] = graph_time_us(lambda: flash_attn_varlen_func(
+        q=case["query"], k=kv.transpose(1, 2)[..., :D], v=kv.transpose(1, 2)[..., D:],
+        out=fa_out, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=max(case["seq_lens"]),
+        seqused_k=case["seq"], block_table=case["table"], softmax_scale=SCALE,
+        causal=True, fa_version=3))  # fmt: skip
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="4x131072,32x8192")
+    parser.add_argument("--json", help="correctness record")
+    parser.add_argument("--timing-json", help="timing sanity record")
+    parser.add_argument("--skip-timing", action="store_true")
+    args = parser.parse_args()
+    command = "python " + " ".join(sys.argv)
+    gpu = torch.cuda.get_device_name()
+    record = {"command": command, "gpu": gpu, "torch": torch.__version__, "cases": []}
+    timing = {"command": command, "gpu": gpu, "rows": []}
+    if not args.skip_timing:
+        timing["d2d_copy_tbps"] = copy_bandwidth_tbps()
+        print(f"device-to-device copy: {timing['d2d_copy_tbps']:.2f} TB/s", flush=True)
+    for shape in args.shapes.split(","):
+        batch, context = map(int, shape.split("x"))
+        t0 = time.time()
+        case = build_case(batch, context)
+        entry = {"shape": shape, "seq_lens": case["seq_lens"]}
+        entry["gamma_one"] = check_gamma_one(case)
+        print(shape, "gamma=1", entry["gamma_one"], flush=True)
+        entry["graph_replay"] = check_graph_replay(case)
+        print(shape, "graph", entry["graph_replay"], flush=True)
+        entry["select"] = check_select_and_estimate(case)
+        print(shape, "select", entry["select"], flush=True)
+        entry["layouts"] = check_layouts(case)
+        print(shape, "layouts", entry["layouts"], flush=True)
+        record["cases"].append(entry)
+        if not args.skip_timing:
+            row = {"shape": shape, **time_case(case)}
+            row["attend_fraction_of_copy_bw"] = row["attend_tbps"] / timing["d2d_copy_tbps"]
+            timing["rows"].append(row)
+            print(shape, "timing", json.dumps(row), flush=True)
+        print(shape, f"done in {time.time() - t0:.1f}s", flush=True)
+        del case
+        torch.cuda.empty_cache()
+    for path, data in ((args.json, record), (args.timing_json, timing)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

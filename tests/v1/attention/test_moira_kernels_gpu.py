@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Moira's kernels at real shapes on the H200 (Llama-3.1-8B geometry).
+
+Run with ``MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention`` after
+``build.sh``; the checks are the ones ``benchmarks/moira_correctness.py``
+records in ``benchmarks/results/correctness_h200.json``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(4, 131072), (32, 8192)]
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def case(request):
+    from benchmarks import moira_correctness as mc
+
+    batch, context = request.param
+    return mc.build_case(batch, context)
+
+
+def test_gamma_one_matches_fa3_within_one_ulp(case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_gamma_one(case)
+    assert result["keeps_every_page"]
+    assert result["all_finite"]
+    assert result["max_ulp_vs_fa3"] <= 1.0, result
+    assert result["max_abs_diff_vs_fa3"] <= 3.9e-3, result
+
+
+def test_graph_replay_equals_eager_bitwise(case):
+    from benchmarks import moira_correctness as mc
+
+    for name, result in mc.check_graph_replay(case).items():
+        assert result["bitwise_equal"] and result["lists_equal"], name
+
+
+def test_select_lists_equal_reference(case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_select_and_estimate(case)
+    assert result["rows_checked"] >= 32
+    assert result["rows_equal"] == result["rows_checked"], result
+    assert result["estimate_max_abs_err"] < 1e-3, result
+    assert result["sparse_vs_fp32_max_abs_diff"] < 1.6e-2, result
+
+
+def test_layouts_bitwise_equal(case):
+    from benchmarks import moira_correctness as mc
+
+    assert mc.check_layouts(case)["bitwise_equal"]
