@@ -179,6 +179,61 @@ show_rejects() {
     rm -rf "${scratch}"
 }
 
+# The series applied by the last build is recorded in <vllm>/.moira-build/applied/ (series +
+# copies of the patches). When the series changed since (a patch was edited, dropped or
+# reordered), the recorded patches are reverse-applied first, so a dev environment follows
+# patch edits without reinstalling vLLM. A stale record (e.g. vLLM reinstalled) is ignored.
+record_dir() { printf '%s\n' "${VLLM_DIR}/.moira-build/applied"; }
+
+series_fingerprint() { # DIR: patches listed in DIR/series with their contents
+    local dir="$1" name
+    [[ -f "${dir}/series" ]] || return 0
+    while IFS= read -r name; do
+        printf '== %s\n' "${name}"
+        cat "${dir}/${name}" 2>/dev/null || true
+    done < <(SERIES="${dir}/series" series_patches)
+}
+
+revert_recorded_series() {
+    local dir="$1" rec names i name
+    rec="$(record_dir)"
+    [[ -f "${rec}/series" ]] || return 0
+    if [[ "$(series_fingerprint "${rec}")" == "$(series_fingerprint "${PATCH_DIR}")" ]]; then
+        return 0
+    fi
+    log "patch series changed since the last build: reverting the recorded series first"
+    mapfile -t names < <(SERIES="${rec}/series" series_patches)
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do
+        name="${names[i]}"
+        if apply_tool "${dir}" "${rec}/${name}" check-reverse >/dev/null 2>&1; then
+            if [[ "${PATCH_TOOL}" == patch ]]; then
+                patch -p1 -R -f --fuzz=0 --no-backup-if-mismatch -r - -d "${dir}" \
+                    -i "${rec}/${name}" </dev/null >/dev/null
+            else
+                git_apply "${dir}" -R "${rec}/${name}" >/dev/null
+            fi
+            log "patch ${name} (recorded): reverted"
+        else
+            log "patch ${name} (recorded): not applied here, record ignored from here on"
+            break
+        fi
+    done
+    rm -rf "${rec}"
+}
+
+record_series() {
+    local rec name
+    rec="$(record_dir)"
+    rm -rf "${rec}"
+    mkdir -p "${rec}"
+    [[ -f "${SERIES}" ]] || return 0
+    cp "${SERIES}" "${rec}/series"
+    while IFS= read -r name; do
+        mkdir -p "$(dirname "${rec}/${name}")"
+        cp "${PATCH_DIR}/${name}" "${rec}/${name}"
+    done < <(series_patches)
+}
+
 N_APPLIED=0
 N_SKIPPED=0
 
@@ -211,6 +266,8 @@ apply_series() {
                 show_rejects "${dir}" "${file}"
                 printf '%s\n' "----- end of ${name} -----"
             } >&2
+            log "hint: if an older version of ${name} is applied here, restore stock vLLM" \
+                "(pip install --force-reinstall --no-deps vllm==${VLLM_VERSION}) and re-run" >&2
             die "patch ${name} does not apply (series: ${SERIES})"
         fi
     done
@@ -418,7 +475,9 @@ run_build() {
     resolve_target
     check_version "${VLLM_DIR}"
     log "target: ${VLLM_DIR} (vLLM ${VLLM_VERSION})"
+    revert_recorded_series "$(dirname "${VLLM_DIR}")"
     apply_series "$(dirname "${VLLM_DIR}")"
+    record_series
     install_overlay
     verify_overlay
     if [[ "${IMPORT_CHECK}" == 1 ]]; then

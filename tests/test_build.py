@@ -289,3 +289,22 @@ def test_help():
         "--patches",
     ):
         assert opt in proc.stdout
+
+
+def test_build_follows_edited_series(fake_site: Path, tmp_path: Path):
+    """An edited/dropped patch is reverted via the recorded series, then the new one applied."""
+    pdir = tmp_path / "p"
+    synthetic_series(fake_site.parent, pdir)
+    stock_registry = (fake_site / "v1/attention/backends/registry.py").read_bytes()
+    run_build("--target-vllm", str(fake_site), "--patches", str(pdir), check=True)
+    (pdir / "0002-new-module.patch").write_text(
+        make_patch("vllm/moira_test_new.py", None, "X = 2\n")
+    )
+    proc = run_build("--target-vllm", str(fake_site), "--patches", str(pdir), check=True)
+    assert "reverted" in proc.stdout
+    assert (fake_site / "moira_test_new.py").read_text() == "X = 2\n"
+    # drop the registry patch: the file goes back to stock
+    (pdir / "series").write_text("0002-new-module.patch\n")
+    run_build("--target-vllm", str(fake_site), "--patches", str(pdir), check=True)
+    assert (fake_site / "v1/attention/backends/registry.py").read_bytes() == stock_registry
+    assert (fake_site / "moira_test_new.py").read_text() == "X = 2\n"
