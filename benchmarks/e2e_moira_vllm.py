@@ -122,13 +122,16 @@ def _run_worker(a: argparse.Namespace) -> None:
     print(f"[{backend}] engine ready: {res['engine']}", flush=True)
     prompts = _prompts(a)
     sp = SamplingParams(
-        max_tokens=a.gen, min_tokens=a.gen, ignore_eos=True, temperature=0.0,
-        logprobs=2, detokenize=False,
+        max_tokens=a.gen,
+        min_tokens=a.gen,
+        ignore_eos=True,
+        temperature=0.0,
+        logprobs=2,
+        detokenize=False,
     )
 
     def gen(names: list[str]) -> dict:
-        outs = llm.generate([{"prompt_token_ids": prompts[n]} for n in names], sp,
-                            use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": prompts[n]} for n in names], sp, use_tqdm=False)
         return {n: _record(o) for n, o in zip(names, outs)}
 
     # greedy: batched, >= 8k-token prompts, cold cache.
@@ -157,13 +160,21 @@ def _run_worker(a: argparse.Namespace) -> None:
             for o in outs:
                 if o.finished:
                     finished[o.request_id] = _record(o)
-                elif o.request_id == "mixed-p0" and not started_long and o.outputs \
-                        and len(o.outputs[0].token_ids) >= 1:
+                elif (
+                    o.request_id == "mixed-p0"
+                    and not started_long
+                    and o.outputs
+                    and len(o.outputs[0].token_ids) >= 1
+                ):
                     add("mixed-long0", "long0")
                     add("mixed-long1", "long1")
                     started_long = True
-            if started_long and "mixed-p0" not in finished and \
-                    len(finished) < 3 and eng.has_unfinished_requests():
+            if (
+                started_long
+                and "mixed-p0" not in finished
+                and len(finished) < 3
+                and eng.has_unfinished_requests()
+            ):
                 mixed_steps += 1
         res["mixed"] = {"p0_in_mixed": finished.get("mixed-p0"), "steps_while_mixed": mixed_steps}
     except Exception:
@@ -198,8 +209,9 @@ def _compare(x: dict | None, y: dict | None) -> dict:
     return {
         "identical": first is None and len(tx) == len(ty),
         "first_divergence": first,
-        "ref_margin_at_divergence": (y["margins"][first] if first is not None
-                                     and first < len(y.get("margins", [])) else None),
+        "ref_margin_at_divergence": (
+            y["margins"][first] if first is not None and first < len(y.get("margins", [])) else None
+        ),
         "top2_at_divergence": {
             "test": x["top2_logprobs"][first] if first is not None and x["top2_logprobs"] else None,
             "ref": y["top2_logprobs"][first] if first is not None and y["top2_logprobs"] else None,
@@ -224,9 +236,12 @@ def _summarize(runs: dict) -> dict:
         gm, gf = m.get("greedy") or {}, f.get("greedy") or {}
         s["moira_gamma1_vs_fa3_greedy"] = {k: _compare(gm.get(k), gf.get(k)) for k in sorted(gf)}
         s["moira_vs_fa3_mixed_p0"] = _compare(
-            (m.get("mixed") or {}).get("p0_in_mixed"), (f.get("mixed") or {}).get("p0_in_mixed"))
-        s["kv_blocks"] = {"MOIRA": m["engine"]["num_gpu_blocks"],
-                          "FLASH_ATTN": f["engine"]["num_gpu_blocks"]}
+            (m.get("mixed") or {}).get("p0_in_mixed"), (f.get("mixed") or {}).get("p0_in_mixed")
+        )
+        s["kv_blocks"] = {
+            "MOIRA": m["engine"]["num_gpu_blocks"],
+            "FLASH_ATTN": f["engine"]["num_gpu_blocks"],
+        }
     return s
 
 
@@ -244,12 +259,21 @@ def main() -> int:
         env.pop("VLLM_ATTENTION_BACKEND", None)  # attention_config selects it
         if backend == "MOIRA":
             env["MOIRA_GAMMA"] = "1"  # dense-equivalent page set: must match FA3
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", backend,
-               "--worker-out", wout] + [
-            x for k, v in vars(a).items() if k not in ("worker", "worker_out", "out")
-            and v not in (None, False)
-            for x in ((f"--{k.replace('_', '-')}",) if v is True
-                      else (f"--{k.replace('_', '-')}", str(v)))]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            backend,
+            "--worker-out",
+            wout,
+        ] + [
+            x
+            for k, v in vars(a).items()
+            if k not in ("worker", "worker_out", "out") and v not in (None, False)
+            for x in (
+                (f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", str(v))
+            )
+        ]
         cmd += ["--out", a.out]
         t = time.time()
         print(f"== {backend}: {' '.join(cmd)}", flush=True)

@@ -30,12 +30,8 @@ def write_tiny_llama(directory: Path, **overrides) -> str:
 
 
 def moira_module():
-    """The module holding MoiraBackend: the merged kernels module when the backend
-    section has been appended to it, else the section module itself."""
-    mod = importlib.import_module("vllm.v1.attention.backends.moira")
-    if hasattr(mod, "MoiraBackend"):
-        return mod
-    return importlib.import_module("vllm.v1.attention.backends.moira_backend_section")
+    """The installed backend module (the overlay's moira.py inside vLLM)."""
+    return importlib.import_module("vllm.v1.attention.backends.moira")
 
 
 def make_vllm_config(model_dir: str, **engine_kwargs):

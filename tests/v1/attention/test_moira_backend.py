@@ -113,9 +113,7 @@ def test_env_and_cli_conflict_errors(tiny_model, monkeypatch):
 def test_env_and_attention_config_conflict_errors(tiny_model, monkeypatch):
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
     with pytest.raises(ValueError, match="conflicts"):
-        make_vllm_config(
-            tiny_model, attention_backend=None, attention_config={"backend": "MOIRA"}
-        )
+        make_vllm_config(tiny_model, attention_backend=None, attention_config={"backend": "MOIRA"})
 
 
 def test_env_invalid_name_errors(tiny_model, monkeypatch):
@@ -213,9 +211,14 @@ def test_config_defaults():
 
 def test_config_from_env_values():
     cfg = moira_module().moira_config_from_env(
-        {"MOIRA_GAMMA": "1", "MOIRA_SELECTOR": "FIXED", "MOIRA_FIXED_PAGES": "16",
-         "MOIRA_MIN_CHUNK_PAGES": "8", "MOIRA_MIN_SPLITS_PER_ROW": "4",
-         "MOIRA_MIN_SPLITS_TOTAL": "128"}
+        {
+            "MOIRA_GAMMA": "1",
+            "MOIRA_SELECTOR": "FIXED",
+            "MOIRA_FIXED_PAGES": "16",
+            "MOIRA_MIN_CHUNK_PAGES": "8",
+            "MOIRA_MIN_SPLITS_PER_ROW": "4",
+            "MOIRA_MIN_SPLITS_TOTAL": "128",
+        }
     )
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
@@ -463,8 +466,9 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
 
     calls = {}
 
-    def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace,
-                    scale, config):
+    def fake_decode(
+        query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale, config
+    ):
         calls["decode"] = (query.shape, summaries.shape, block_table, seq_lens, workspace)
         output.fill_(1)
 

@@ -46,9 +46,7 @@ def _batch(seq_lens, num_kv_heads, group, head_size, layout, pattern="random",
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
     summaries = torch.zeros(num_blocks, num_kv_heads, 2, head_size, dtype=torch.bfloat16)
     full = [
-        int(table[r, p]) * PAGE + PAGE - 1
-        for r, s in enumerate(seq_lens)
-        for p in range(s // PAGE)
+        int(table[r, p]) * PAGE + PAGE - 1 for r, s in enumerate(seq_lens) for p in range(s // PAGE)
     ]
     moira.write_page_summaries(kv, summaries, torch.tensor(full, dtype=torch.int64))
     seq = torch.tensor(seq_lens, dtype=torch.int32)
@@ -90,9 +88,7 @@ def test_write_summaries_matches_reference(layout, head_size):
 )
 def test_estimate_matches_reference(layout, group, head_size, pattern):
     seq_lens = [1, 64, 65, 300, 64 * 5]
-    kv, summaries, table, seq, query = _batch(
-        seq_lens, 2, group, head_size, layout, pattern
-    )
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern)
     scale = head_size**-0.5
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
                               moira.MoiraConfig(), "cpu")  # fmt: skip
@@ -100,12 +96,8 @@ def test_estimate_matches_reference(layout, group, head_size, pattern):
     moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
-        expected = ref.estimate_row_logmass(
-            query[row], kv, summaries, table[row], seq_len, scale
-        )
-        torch.testing.assert_close(
-            ws.logmass[row, :, :, :n], expected, atol=2e-5, rtol=2e-5
-        )
+        expected = ref.estimate_row_logmass(query[row], kv, summaries, table[row], seq_len, scale)
+        torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=2e-5, rtol=2e-5)
 
 
 # --------------------------------------------------------------------------
@@ -127,7 +119,7 @@ def _run_select(logmass, seq_lens, config):
     ws.page_list.fill_(-7)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
-                       config, num_rows, max_pages)  # fmt: skip
+                       config, num_rows, max_pages, ws.read_stats)  # fmt: skip
     return ws
 
 
@@ -173,6 +165,9 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma):
             middle = pibar[h, pages[1:-1].long()]
             if middle.numel():
                 assert kept - middle.min() < gamma + 1e-5
+    # Select accumulates the read fraction's numerator and denominator.
+    total_pages = sum(math.ceil(s / PAGE) for s in seq_lens) * 2
+    assert ws.read_stats.tolist() == [int(ws.page_count.sum()), total_pages]
 
 
 def test_select_gamma_one_keeps_every_page():

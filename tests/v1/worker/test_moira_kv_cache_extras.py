@@ -179,8 +179,15 @@ def test_moira_impl_hook_end_to_end(tmp_path):
 
     mod = moira_module()
     cfg = make_vllm_config(write_tiny_llama(tmp_path / "m"))
-    args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2,
-                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    args = dict(
+        num_heads=4,
+        head_size=64,
+        scale=0.125,
+        num_kv_heads=2,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
     with set_current_vllm_config(cfg):
         impls = [mod.MoiraImpl(**args), mod.MoiraImpl(**args)]
         names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -211,8 +218,15 @@ def test_lazy_fallback_allocates_and_follows_view_changes(tmp_path):
     mod = moira_module()
     cfg = make_vllm_config(write_tiny_llama(tmp_path / "m"))
     with set_current_vllm_config(cfg):
-        impl = mod.MoiraImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2,
-                             alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+        impl = mod.MoiraImpl(
+            num_heads=4,
+            head_size=64,
+            scale=0.125,
+            num_kv_heads=2,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype="auto",
+        )
     base = ms.live_summary_bytes()
     kv1 = torch.zeros(4, 2, 64, 128, dtype=torch.bfloat16)
     s1 = impl._get_summaries(kv1)

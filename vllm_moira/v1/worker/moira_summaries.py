@@ -88,22 +88,17 @@ def summary_bytes_for_kv_bytes(kv_cache_bytes: int) -> int:
     return -(-kv_cache_bytes // PAGE_SIZE)
 
 
-def workspace_bytes(
-    vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int
-) -> int:
+def workspace_bytes(vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
     """Bytes of the builder's persistent MoiraWorkspace for this engine.
 
     Computed by building the workspace on the ``meta`` device (shapes only,
     no memory), so it always matches what MoiraMetadataBuilder allocates.
     """
-    from vllm.v1.attention.backends.moira import MOIRA_PAGE_SIZE, MoiraWorkspace
-
-    try:
-        from vllm.v1.attention.backends.moira import moira_config_from_env
-    except ImportError:  # backend section not merged into moira.py yet
-        from vllm.v1.attention.backends.moira_backend_section import (
-            moira_config_from_env,
-        )
+    from vllm.v1.attention.backends.moira import (
+        MOIRA_PAGE_SIZE,
+        MoiraWorkspace,
+        moira_config_from_env,
+    )
 
     max_pages = -(-vllm_config.model_config.max_model_len // MOIRA_PAGE_SIZE)
     ws = MoiraWorkspace(

@@ -131,9 +131,7 @@ def group_mean_shares(logmass: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logmass.float(), dim=-1).mean(dim=-2)
 
 
-def _threshold_keep(
-    middle: torch.Tensor, target: float, by_count: bool
-) -> torch.Tensor:
+def _threshold_keep(middle: torch.Tensor, target: float, by_count: bool) -> torch.Tensor:
     """Mask of ``middle >= tau`` for the largest tau whose kept sum (or count)
     reaches ``target``; all pages if no tau reaches it (Eq. 3's threshold form,
     so pages tied at the threshold are all kept)."""
@@ -174,9 +172,7 @@ def select_pages(
         target = gamma - float(pibar[0]) - float(pibar[n - 1])
         keep = _threshold_keep(middle, target, by_count=False)
     kept_middle = torch.nonzero(keep).flatten().cpu() + 1
-    return torch.cat([torch.tensor([0]), kept_middle, torch.tensor([n - 1])]).to(
-        torch.int32
-    )
+    return torch.cat([torch.tensor([0]), kept_middle, torch.tensor([n - 1])]).to(torch.int32)
 
 
 # --------------------------------------------------------------------------
