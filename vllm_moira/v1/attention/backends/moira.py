@@ -546,7 +546,7 @@ def kernel_moira_select(
     tl.store(count_ptr, n_kept)
     # Running totals for the read fraction (metrics, benchmarks): one atomic
     # per (row, KV head), read by the host only outside the decode step.
-    tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64))
+    tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64))  # type: ignore[attr-defined]
     tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
 
 
