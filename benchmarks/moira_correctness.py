@@ -82,7 +82,7 @@ def run_moira(case, config, ws=None):
     ws = ws or workspace(case, config)
     out = torch.full_like(case["query"], float("nan"))
     moira.moira_decode(case["query"], case["kv"], case["summaries"], case["table"],
-                       case["seq"], out, ws, SCALE, config)  # fmt: skip
+                       case["seq"], out, ws, SCALE)  # fmt: skip
     torch.cuda.synchronize()
     return out, ws
 
@@ -153,7 +153,7 @@ def check_graph_replay(case, gamma=0.98):
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
 
     def step():
-        moira.moira_decode(*args, out, ws, SCALE, config)
+        moira.moira_decode(*args, out, ws, SCALE)
 
     step()  # compile + warm up outside capture
     torch.cuda.synchronize()
@@ -290,9 +290,7 @@ def time_case(case, kept_fraction=0.22):
     coverage = moira.MoiraConfig(gamma=0.98)
     ws = workspace(case, coverage)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    rows["estimate_select_us"] = graph_time_us(
-        lambda: moira.estimate_and_select(*args, ws, SCALE, coverage)
-    )
+    rows["estimate_select_us"] = graph_time_us(lambda: moira.estimate_and_select(*args, ws, SCALE))
     rows["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(
             case["query"], case["kv"], case["summaries"], case["table"], case["seq"],
@@ -300,7 +298,7 @@ def time_case(case, kept_fraction=0.22):
     )  # fmt: skip
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
-            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, coverage,
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
             batch, case["max_pages"], ws.read_stats)
     )  # fmt: skip
     out = torch.empty_like(case["query"])
@@ -309,7 +307,7 @@ def time_case(case, kept_fraction=0.22):
         selector="fixed", fixed_pages=max(2, round(kept_fraction * case["max_pages"]))
     )
     ws_fixed = workspace(case, fixed)
-    moira.estimate_and_select(*args, ws_fixed, SCALE, fixed)
+    moira.estimate_and_select(*args, ws_fixed, SCALE)
     torch.cuda.synchronize()
     counts = ws_fixed.page_count[:batch]
     kept_bytes = int(counts.sum()) * PAGE * 2 * D * 2
@@ -324,17 +322,16 @@ def time_case(case, kept_fraction=0.22):
             out,
             ws_fixed,
             SCALE,
-            fixed,
         )
     )
     rows["attend_merge_us"] = attend_us
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
     rows["attend_tbps"] = kept_bytes / (attend_us * 1e-6) / 1e12
     rows["moira_step_fixed_us"] = graph_time_us(
-        lambda: moira.moira_decode(*args, out, ws_fixed, SCALE, fixed)
+        lambda: moira.moira_decode(*args, out, ws_fixed, SCALE)
     )
     rows["moira_step_coverage_us"] = graph_time_us(
-        lambda: moira.moira_decode(*args, out, ws, SCALE, coverage)
+        lambda: moira.moira_decode(*args, out, ws, SCALE)
     )
     counts_cov = ws.page_count[:batch]
     rows["coverage_kept_fraction"] = int(counts_cov.sum()) / sum(

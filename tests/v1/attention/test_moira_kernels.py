@@ -119,7 +119,7 @@ def _run_select(logmass, seq_lens, config):
     ws.page_list.fill_(-7)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
-                       config, num_rows, max_pages, ws.read_stats)  # fmt: skip
+                       ws.selector_params, num_rows, max_pages, ws.read_stats)  # fmt: skip
     return ws
 
 
@@ -197,6 +197,49 @@ def test_select_fixed_count(fixed_pages):
             count = int(ws.page_count[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
             assert count == min(n, max(fixed_pages, min(n, 2)))
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 1.0])
+def test_select_fixed_fraction(fraction):
+    max_pages = 70
+    seq_lens = [1, 64 * 3, 64 * 70, 64 * 33 + 9]
+    logmass = _random_logmass(len(seq_lens), 2, 4, max_pages, seed=21)
+    ws = _run_select(
+        logmass, seq_lens, moira.MoiraConfig(selector="fixed", fixed_fraction=fraction)
+    )
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        for h in range(2):
+            expected = ref.select_pages(pibar[h], fixed_fraction=fraction)
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == expected.tolist()
+            assert count == max(min(n, 2), math.ceil(fraction * n))
+
+
+def test_set_selector_switches_in_place():
+    """The selector lives in device memory: set_selector changes what the
+    same launches (and so a captured graph) select, without reallocating."""
+    max_pages = 40
+    seq_lens = [64 * 40, 64 * 17 + 3]
+    logmass = _random_logmass(len(seq_lens), 2, 3, max_pages, seed=4)
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=0.9))
+    params = ws.selector_params.data_ptr()
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    for config in (
+        moira.MoiraConfig(gamma=1.0),
+        moira.MoiraConfig(selector="fixed", fixed_pages=3),
+    ):
+        ws.set_selector(config)
+        moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+                           ws.selector_params, len(seq_lens), max_pages, ws.read_stats)  # fmt: skip
+        for row, seq_len in enumerate(seq_lens):
+            n = math.ceil(seq_len / PAGE)
+            expected = n if config.selector == "coverage" else 3
+            assert ws.page_count[row].tolist() == [expected, expected]
+    assert ws.selector_params.data_ptr() == params
+    with pytest.raises(ValueError, match="cannot change"):
+        ws.set_selector(moira.MoiraConfig(min_chunk_pages=5))
 
 
 def test_select_rows_longer_than_4096_pages():
@@ -320,8 +363,10 @@ def test_merge_matches_reference_lse_combine():
         (dict(gamma=0.0), "gamma must be in \\(0, 1\\]"),
         (dict(gamma=1.5), "gamma must be in \\(0, 1\\]"),
         (dict(selector="topk"), "selector must be one of"),
-        (dict(selector="fixed"), "needs fixed_pages"),
+        (dict(selector="fixed"), "needs exactly one of fixed_pages"),
         (dict(selector="fixed", fixed_pages=0), "needs fixed_pages"),
+        (dict(selector="fixed", fixed_fraction=1.5), "fixed_fraction must be in"),
+        (dict(selector="fixed", fixed_pages=3, fixed_fraction=0.5), "exactly one of"),
         (dict(fixed_pages=4), "only used with selector='fixed'"),
         (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
     ],

@@ -79,11 +79,13 @@ class MoiraConfig:
 
     #: Coverage: keep the fewest pages whose estimated share reaches gamma.
     gamma: float = 0.98
-    #: "coverage" (Eq. 3) or "fixed" (the ``fixed_pages`` largest pages).
+    #: "coverage" (Eq. 3) or "fixed" (the K largest pages).
     selector: str = "coverage"
     #: K for ``selector="fixed"``: pages per (row, KV head), sink and current
     #: page included.
     fixed_pages: int | None = None
+    #: Or, for ``selector="fixed"``, K = ceil(fixed_fraction * pages of the row).
+    fixed_fraction: float | None = None
     #: C: fewest pages per Attend chunk (a short row needs one block).
     min_chunk_pages: int = 24
     #: N_J: fewest Attend blocks per row.
@@ -100,20 +102,40 @@ class MoiraConfig:
                 f"Moira: selector must be one of {MOIRA_SELECTORS}, got {self.selector!r}"
             )
         if self.selector == "fixed":
-            if not isinstance(self.fixed_pages, int) or self.fixed_pages < 1:
+            if (self.fixed_pages is None) == (self.fixed_fraction is None):
+                raise ValueError(
+                    "Moira: selector='fixed' needs exactly one of fixed_pages (an integer "
+                    ">= 1, pages kept per row and KV head) or fixed_fraction (in (0, 1]), "
+                    f"got fixed_pages={self.fixed_pages!r}, "
+                    f"fixed_fraction={self.fixed_fraction!r}"
+                )
+            if self.fixed_pages is not None and (
+                not isinstance(self.fixed_pages, int) or self.fixed_pages < 1
+            ):
                 raise ValueError(
                     "Moira: selector='fixed' needs fixed_pages, an integer >= 1 "
                     f"(pages kept per row and KV head), got {self.fixed_pages!r}"
                 )
-        elif self.fixed_pages is not None:
+            if self.fixed_fraction is not None and not 0.0 < self.fixed_fraction <= 1.0:
+                raise ValueError(
+                    f"Moira: fixed_fraction must be in (0, 1], got {self.fixed_fraction!r}"
+                )
+        elif self.fixed_pages is not None or self.fixed_fraction is not None:
             raise ValueError(
-                "Moira: fixed_pages is only used with selector='fixed', "
-                f"got fixed_pages={self.fixed_pages!r} with selector={self.selector!r}"
+                "Moira: fixed_pages / fixed_fraction are only used with selector='fixed', "
+                f"got fixed_pages={self.fixed_pages!r}, fixed_fraction="
+                f"{self.fixed_fraction!r} with selector={self.selector!r}"
             )
         for name in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Moira: {name} must be an integer >= 1, got {value!r}")
+
+    def selector_values(self) -> tuple[float, float, float]:
+        """(gamma, K, fraction) as Select reads them; 0 turns a field off."""
+        if self.selector == "fixed":
+            return (self.gamma, float(self.fixed_pages or 0), float(self.fixed_fraction or 0.0))
+        return (self.gamma, 0.0, 0.0)
 
     def num_splits(self, num_rows: int, num_kv_heads: int) -> int:
         """J of Eq. 4: Attend blocks per (row, KV head) for a batch of rows."""
@@ -211,7 +233,8 @@ def write_page_summaries(
 # ==========================================================================
 @triton.jit
 def _exact_page_logmass(
-    q_scaled,  # [HEAD_SIZE] fp32, query head already multiplied by the scale
+    q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
+    scale,
     kv_cache_ptr,
     block,
     head,
@@ -222,6 +245,7 @@ def _exact_page_logmass(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
+    # log sum_k exp(s q.k) over the page's valid tokens, for every query head.
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     mask_t = offs_t < num_valid
@@ -233,11 +257,11 @@ def _exact_page_logmass(
         + offs_d[None, :],
         mask=mask_t[:, None],
         other=0.0,
-    ).to(tl.float32)
-    logits = tl.sum(keys * q_scaled[None, :], axis=1)
-    logits = tl.where(mask_t, logits, float("-inf"))
+    )
+    logits = tl.dot(keys, tl.trans(q)) * scale  # [PAGE_SIZE, GROUP_ROWS]
+    logits = tl.where(mask_t[:, None], logits, float("-inf"))
     peak = tl.max(logits, axis=0)
-    return peak + tl.log(tl.sum(tl.exp(logits - peak), axis=0))
+    return peak + tl.log(tl.sum(tl.exp(logits - peak[None, :]), axis=0))
 
 
 @triton.jit
@@ -261,14 +285,16 @@ def kernel_moira_estimate(
     stride_lm_head: tl.int64,
     stride_lm_group: tl.int64,
     GROUP_SIZE: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
 ):
-    # One program per (row, KV head, tile of TILE_PAGES pages). The estimate
-    # is computed in fp32 by broadcast-and-reduce rather than tl.dot: it reads
-    # only 1/64 of the KV bytes, and exact fp32 keeps Select's input equal to
-    # the float32 reference up to summation order.
+    # One program per (row, KV head, tile of TILE_PAGES pages); all G query
+    # heads at once on the tensor cores. Products of bf16 values are exact in
+    # the fp32 accumulator, so the mean term is fp32-exact up to summation
+    # order; (s q)^2 is split into two bf16 parts (hi + lo) so the spread
+    # term keeps ~16 significant bits.
     row = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -279,55 +305,57 @@ def kernel_moira_estimate(
     pages = tile * TILE_PAGES + tl.arange(0, TILE_PAGES)
     mask_p = pages < num_pages
     offs_d = tl.arange(0, HEAD_SIZE)
+    offs_g = tl.arange(0, GROUP_ROWS)
+    mask_g = offs_g < GROUP_SIZE
+    q = tl.load(
+        query_ptr
+        + row * stride_q_row
+        + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
+        + offs_d[None, :],
+        mask=mask_g[:, None],
+        other=0.0,
+    )
     blocks = tl.load(block_table_ptr + row * stride_bt_row + pages, mask=mask_p, other=0).to(
         tl.int64
     )
-    summary = (
-        summaries_ptr
-        + blocks[:, None] * stride_sum_block
-        + head * stride_sum_head
-        + offs_d[None, :]
-    )
-    mean = tl.load(summary, mask=mask_p[:, None], other=0.0).to(tl.float32)
-    var = tl.load(summary + HEAD_SIZE, mask=mask_p[:, None], other=0.0).to(tl.float32)
+    summary = summaries_ptr + blocks[:, None] * stride_sum_block + head * stride_sum_head
+    mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
 
+    # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
+    q_scaled = q.to(tl.float32) * scale
+    q_sq = q_scaled * q_scaled
+    q_sq_hi = q_sq.to(tl.bfloat16)
+    q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
+    est = tl.dot(mean, tl.trans(q)) * scale
+    est += 0.5 * (tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo)))
+    est += tl.log(PAGE_SIZE * 1.0)
+
+    # The sink page and the current page are computed exactly from the keys.
     last = num_pages - 1
-    has_sink = tile == 0
-    has_last = last // TILE_PAGES == tile
-    sink_block = tl.load(block_table_ptr + row * stride_bt_row).to(tl.int64)
-    last_block = tl.load(block_table_ptr + row * stride_bt_row + last).to(tl.int64)
-    sink_valid = tl.minimum(seq_len, PAGE_SIZE)
-    last_valid = seq_len - last * PAGE_SIZE
-    log_page = tl.log(PAGE_SIZE * 1.0)
-
-    for g in tl.static_range(GROUP_SIZE):
-        q = tl.load(
-            query_ptr + row * stride_q_row + (head * GROUP_SIZE + g) * stride_q_head + offs_d
-        ).to(tl.float32)
-        q = q * scale
-        # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S
-        est = tl.sum(mean * q[None, :], axis=1)
-        est += 0.5 * tl.sum(var * (q * q)[None, :], axis=1)
-        est += log_page
-        if has_sink:
-            exact = _exact_page_logmass(
-                q, kv_cache_ptr, sink_block, head, sink_valid,
-                stride_kv_block, stride_kv_head, stride_kv_token,
-                HEAD_SIZE, PAGE_SIZE,
-            )  # fmt: skip
-            est = tl.where(pages == 0, exact, est)
-        if has_last:
-            exact = _exact_page_logmass(
-                q, kv_cache_ptr, last_block, head, last_valid,
-                stride_kv_block, stride_kv_head, stride_kv_token,
-                HEAD_SIZE, PAGE_SIZE,
-            )  # fmt: skip
-            est = tl.where(pages == last, exact, est)
-        tl.store(
-            logmass_ptr + row * stride_lm_row + head * stride_lm_head + g * stride_lm_group + pages,
-            est,
-            mask=mask_p,
-        )
+    if tile == 0:
+        sink_block = tl.load(block_table_ptr + row * stride_bt_row).to(tl.int64)
+        exact = _exact_page_logmass(
+            q, scale, kv_cache_ptr, sink_block, head, tl.minimum(seq_len, PAGE_SIZE),
+            stride_kv_block, stride_kv_head, stride_kv_token, HEAD_SIZE, PAGE_SIZE,
+        )  # fmt: skip
+        est = tl.where(pages[:, None] == 0, exact[None, :], est)
+    if last // TILE_PAGES == tile:
+        last_block = tl.load(block_table_ptr + row * stride_bt_row + last).to(tl.int64)
+        exact = _exact_page_logmass(
+            q, scale, kv_cache_ptr, last_block, head, seq_len - last * PAGE_SIZE,
+            stride_kv_block, stride_kv_head, stride_kv_token, HEAD_SIZE, PAGE_SIZE,
+        )  # fmt: skip
+        est = tl.where(pages[:, None] == last, exact[None, :], est)
+    tl.store(
+        logmass_ptr
+        + row * stride_lm_row
+        + head * stride_lm_head
+        + offs_g[None, :] * stride_lm_group
+        + pages[:, None],
+        est,
+        mask=mask_p[:, None] & mask_g[None, :],
+    )
 
 
 def estimate_page_logmass(
@@ -367,6 +395,7 @@ def estimate_page_logmass(
         logmass.stride(1),
         logmass.stride(2),
         GROUP_SIZE=group_size,
+        GROUP_ROWS=_group_rows(group_size),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         TILE_PAGES=_ESTIMATE_TILE_PAGES,
@@ -383,7 +412,7 @@ def _kept_share(
     tile_pibar,
     num_pages,
     tau,
-    BY_COUNT: tl.constexpr,
+    by_count,
     TILE_PAGES: tl.constexpr,
     NUM_TILES: tl.constexpr,
 ):
@@ -399,14 +428,11 @@ def _kept_share(
         else:
             pib = tl.load(pibar_ptr + pages, mask=middle, other=0.0)
         above = middle & (pib >= tau)
-        if BY_COUNT:
-            total += tl.sum(above.to(tl.float32), axis=0)
-        else:
-            total += tl.sum(tl.where(above, pib, 0.0), axis=0)
+        total += tl.sum(tl.where(above, tl.where(by_count, 1.0, pib), 0.0), axis=0)
     return total
 
 
-@triton.jit(do_not_specialize=["fixed_pages"])
+@triton.jit
 def kernel_moira_select(
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32
     seq_lens_ptr,  # [num_rows] int32
@@ -414,8 +440,7 @@ def kernel_moira_select(
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
     page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
     read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
-    gamma,
-    fixed_pages,
+    selector_ptr,  # [3] fp32: gamma, fixed pages K (0 = off), fixed fraction (0 = off)
     stride_lm_row: tl.int64,
     stride_lm_head: tl.int64,
     stride_lm_group: tl.int64,
@@ -428,12 +453,12 @@ def kernel_moira_select(
     GROUP_ROWS: tl.constexpr,
     TILE_PAGES: tl.constexpr,
     NUM_TILES: tl.constexpr,
-    FIXED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
     # One program per (row, KV head). Writes the row's page list (logical
     # page indices in page order, sink first, current page last) and its
-    # length, the only things Attend reads.
+    # length, the only things Attend reads. The selector's parameters are
+    # read from device memory, so a captured graph follows set_selector().
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -494,10 +519,14 @@ def kernel_moira_select(
     # rows of < 256 / 1024 / more pages; 24 / log2(K_B) passes shrink the
     # interval 2^24-fold. lo always satisfies the target (or is the start, 0).
     num_middle = tl.maximum(num_pages - 2, 0)
-    if FIXED:
-        target = (fixed_pages - 2) * 1.0
-    else:
-        target = gamma - forced
+    gamma = tl.load(selector_ptr)
+    fixed_pages = tl.load(selector_ptr + 1)
+    fixed_fraction = tl.load(selector_ptr + 2)
+    # Fixed-count mode: K pages per row in total, sink and current included;
+    # K = ceil(fraction * pages) when a fraction is given.
+    fixed_pages = tl.where(fixed_fraction > 0.0, tl.ceil(fixed_fraction * num_pages), fixed_pages)
+    by_count = fixed_pages > 0.0
+    target = tl.where(by_count, fixed_pages - 2.0, gamma - forced)
     kb = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 4, 2))
     passes = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 12, 24))
     lo = 0.0
@@ -510,7 +539,7 @@ def kernel_moira_select(
         new_hi = hi
         for k in range(1, kb):
             tau = lo + width * k / kb
-            kept = _kept_share(pib_ptr, tile_pibar, num_pages, tau, FIXED, TILE_PAGES, NUM_TILES)
+            kept = _kept_share(pib_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES, NUM_TILES)
             reached = kept >= target
             new_lo = tl.where(reached, tl.maximum(new_lo, tau), new_lo)
             new_hi = tl.where(reached, new_hi, tl.minimum(new_hi, tau))
@@ -518,10 +547,7 @@ def kernel_moira_select(
         hi = new_hi
     # Special cases of Eq. 3: nothing more is needed (target <= 0), or every
     # page is (gamma >= 1, or a fixed budget that covers the row).
-    if FIXED:
-        keep_all = num_middle <= fixed_pages - 2
-    else:
-        keep_all = gamma >= 1.0
+    keep_all = tl.where(by_count, num_middle <= fixed_pages - 2.0, gamma >= 1.0)
     lo = tl.where(target <= 0.0, float("inf"), lo)
     lo = tl.where(keep_all, float("-inf"), lo)
 
@@ -556,22 +582,23 @@ def select_pages(
     pibar: torch.Tensor,
     page_list: torch.Tensor,
     page_count: torch.Tensor,
-    config: MoiraConfig,
+    selector_params: torch.Tensor,
     num_rows: int,
     max_pages: int,
     read_stats: torch.Tensor,
 ) -> None:
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
-    Adds the kept and total page counts of the rows to ``read_stats``
-    (int64 ``[2]``), so ``read_stats[0] / read_stats[1]`` is the fraction of
-    pages read since it was last zeroed.
+    ``selector_params`` is the fp32 ``[3]`` device tensor of
+    ``MoiraWorkspace`` (gamma, K, fraction). Adds the kept and total page
+    counts of the rows to ``read_stats`` (int64 ``[2]``), so
+    ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
+    was last zeroed.
     """
     num_kv_heads, group_size = logmass.shape[1], logmass.shape[2]
     tile_pages = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
     num_tiles = triton.cdiv(max_pages, tile_pages)
     assert pibar.shape[-1] >= num_tiles * tile_pages
-    fixed = config.selector == "fixed"
     kernel_moira_select[(num_rows, num_kv_heads)](
         logmass,
         seq_lens,
@@ -579,8 +606,7 @@ def select_pages(
         page_list,
         page_count,
         read_stats,
-        float(config.gamma),
-        int(config.fixed_pages or 0),
+        selector_params,
         logmass.stride(0),
         logmass.stride(1),
         logmass.stride(2),
@@ -593,7 +619,6 @@ def select_pages(
         GROUP_ROWS=triton.next_power_of_2(group_size),
         TILE_PAGES=tile_pages,
         NUM_TILES=num_tiles,
-        FIXED=fixed,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         num_warps=8 if tile_pages >= 1024 else 4,
     )
@@ -813,6 +838,20 @@ class MoiraWorkspace:
         #: Pages kept and pages in the rows, summed over layers and steps
         #: (Select adds to it on the device; zero it to start a window).
         self.read_stats = torch.zeros(2, dtype=torch.int64, device=device)
+        #: Select's parameters (gamma, K, fraction), read on the device so that
+        #: set_selector() changes what captured graphs do.
+        self.selector_params = torch.tensor(config.selector_values(), dtype=f32, device=device)
+
+    def set_selector(self, config: MoiraConfig) -> None:
+        """Switch gamma / the selector in place (host -> device copy; call it
+        between steps, never inside one). Attend's constants must not change:
+        graphs were captured with their grid."""
+        config.validate()
+        attend_fields = ("min_chunk_pages", "min_splits_per_row", "min_splits_total")
+        if any(getattr(config, f) != getattr(self.config, f) for f in attend_fields):
+            raise ValueError(f"Moira: set_selector cannot change {attend_fields}")
+        self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
+        self.config = config
 
     def nbytes(self) -> int:
         tensors = (
@@ -823,6 +862,7 @@ class MoiraWorkspace:
             self.partial_out,
             self.partial_lse,
             self.read_stats,
+            self.selector_params,
         )
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -837,20 +877,26 @@ def attend(
     output: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
-    config: MoiraConfig | None = None,
 ) -> None:
     """Attend + Merge over any selector's page lists.
 
     ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
     page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
+    The split constants (C, N_J, N_T) come from ``workspace.config``.
     """
-    config = config or workspace.config
+    config = workspace.config
     num_rows, num_q_heads, head_size = query.shape
+    if num_rows == 0:
+        return
+    if num_rows > workspace.max_num_seqs:
+        raise ValueError(
+            f"Moira: {num_rows} decode rows exceed the workspace's "
+            f"max_num_seqs={workspace.max_num_seqs}"
+        )
     num_kv_heads = kv_cache.shape[1]
     group_size = num_q_heads // num_kv_heads
     num_splits = config.num_splits(num_rows, num_kv_heads)
-    assert num_rows * num_splits <= workspace.partial_out.shape[0]
     group_rows = _group_rows(group_size)
     kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
         query,
@@ -908,16 +954,16 @@ def estimate_and_select(
     seq_lens: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
-    config: MoiraConfig | None = None,
 ) -> None:
     """Estimate + Select: fills ``workspace.page_list`` / ``page_count``."""
-    config = config or workspace.config
     num_rows = query.shape[0]
+    if num_rows == 0:
+        return
     max_pages = block_table.shape[1]
-    if max_pages > workspace.max_pages:
+    if max_pages > workspace.max_pages or num_rows > workspace.max_num_seqs:
         raise ValueError(
-            f"Moira: block table has {max_pages} pages per row, the workspace "
-            f"was sized for {workspace.max_pages}"
+            f"Moira: {num_rows} rows of {max_pages} pages exceed the workspace "
+            f"({workspace.max_num_seqs} rows of {workspace.max_pages} pages)"
         )
     estimate_page_logmass(
         query, kv_cache, summaries, block_table, seq_lens, workspace.logmass, scale
@@ -928,7 +974,7 @@ def estimate_and_select(
         workspace.pibar,
         workspace.page_list,
         workspace.page_count,
-        config,
+        workspace.selector_params,
         num_rows,
         max_pages,
         workspace.read_stats,
@@ -944,17 +990,17 @@ def moira_decode(
     output: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
-    config: MoiraConfig | None = None,
 ) -> None:
     """One layer's sparse decode: Estimate -> Select -> Attend -> Merge.
 
     ``query``/``output`` ``[B, H_q, D]`` bf16 (one token per row),
     ``block_table`` ``[B, max_blocks]`` int32, ``seq_lens`` ``[B]`` int32
-    (0 = padded row: its output is left untouched). Launch grids depend only
-    on B and the static shapes, so the call replays in a CUDA graph.
+    (0 = padded row: its output is left untouched). The selector is the
+    workspace's (``MoiraWorkspace.set_selector``). Launch grids depend only on
+    B and the static shapes, so the call replays in a CUDA graph.
     """
     _check_kv_cache(kv_cache)
-    estimate_and_select(query, kv_cache, summaries, block_table, seq_lens, workspace, scale, config)
+    estimate_and_select(query, kv_cache, summaries, block_table, seq_lens, workspace, scale)
     attend(
         query,
         kv_cache,
@@ -965,7 +1011,6 @@ def moira_decode(
         output,
         workspace,
         scale,
-        config,
     )
 
 
@@ -998,6 +1043,7 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_GAMMA": ("gamma", float),
     "MOIRA_SELECTOR": ("selector", str),
     "MOIRA_FIXED_PAGES": ("fixed_pages", int),
+    "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
     "MOIRA_MIN_CHUNK_PAGES": ("min_chunk_pages", int),
     "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
     "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
@@ -1691,7 +1737,6 @@ class MoiraImpl(FlashAttentionImpl):
                 output[:nd].view(nd, self.num_heads, self.head_size),
                 attn_metadata.workspace,
                 self.scale,
-                attn_metadata.config,
             )
         prefill = attn_metadata.prefill
         if prefill is not None:
