@@ -282,7 +282,7 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def time_case(case, kept_fraction=0.22):
+def time_case(case, kept_fraction=0.22, sweep_attend=False):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     batch = case["query"].shape[0]
@@ -325,6 +325,19 @@ def time_case(case, kept_fraction=0.22):
         )
     )
     rows["attend_merge_us"] = attend_us
+    if sweep_attend:
+        default = dict(moira.ATTEND_LAUNCH)
+        rows["attend_sweep"] = []
+        for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)):
+            moira.ATTEND_LAUNCH.update(num_warps=warps, num_stages=stages)
+            us = graph_time_us(
+                lambda: moira.attend(
+                    case["query"], case["kv"], case["table"], case["seq"],
+                    ws_fixed.page_list, ws_fixed.page_count, out, ws_fixed, SCALE)
+            )  # fmt: skip
+            rows["attend_sweep"].append({"num_warps": warps, "num_stages": stages, "us": us})
+        moira.ATTEND_LAUNCH.clear()
+        moira.ATTEND_LAUNCH.update(default)
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
     rows["attend_tbps"] = kept_bytes / (attend_us * 1e-6) / 1e12
     rows["moira_step_fixed_us"] = graph_time_us(
@@ -354,6 +367,7 @@ def main():
     parser.add_argument("--json", help="correctness record")
     parser.add_argument("--timing-json", help="timing sanity record")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--sweep-attend", action="store_true", help="time Attend launch configs")
     args = parser.parse_args()
     command = "python " + " ".join(sys.argv)
     gpu = torch.cuda.get_device_name()
@@ -377,7 +391,7 @@ def main():
         print(shape, "layouts", entry["layouts"], flush=True)
         record["cases"].append(entry)
         if not args.skip_timing:
-            row = {"shape": shape, **time_case(case)}
+            row = {"shape": shape, **time_case(case, sweep_attend=args.sweep_attend)}
             row["attend_fraction_of_copy_bw"] = row["attend_tbps"] / timing["d2d_copy_tbps"]
             timing["rows"].append(row)
             print(shape, "timing", json.dumps(row), flush=True)

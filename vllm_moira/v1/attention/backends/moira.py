@@ -71,6 +71,9 @@ _SELECT_MAX_TILE_PAGES = 4096
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
 _MIN_DOT_ROWS = 16
+# Attend's launch configuration (paper App. A: 4 warps, 3 pipeline stages);
+# benchmarks/moira_correctness.py --sweep-attend measures alternatives.
+ATTEND_LAUNCH = {"num_warps": 4, "num_stages": 3}
 
 
 @dataclass(frozen=True)
@@ -926,8 +929,7 @@ def attend(
         GROUP_ROWS=group_rows,
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        num_warps=4,
-        num_stages=3,
+        **ATTEND_LAUNCH,
     )
     kernel_moira_merge[(num_rows, num_q_heads)](
         page_count,
