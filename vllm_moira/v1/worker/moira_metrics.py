@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Moira observability: the measured page-read fraction, without a host sync.
+
+Installed as ``vllm.v1.worker.moira_metrics``. Select adds, on the device, the
+pages it kept and the pages in its rows to ``MoiraWorkspace.read_stats``
+(int64 ``[2]``, accumulated over layers and steps). This module turns those
+running totals into the fraction of KV pages that decode actually read:
+
+- ``ReadStatsPoller`` (one per metadata builder / workspace) is polled from
+  ``MoiraMetadataBuilder.build()``, which runs on the host every step, outside
+  any CUDA graph. It keeps at most one 16-byte device-to-host copy in flight:
+  a non-blocking copy into pinned memory followed by a CUDA event. A later
+  ``poll()`` reads the copy only once ``event.query()`` says it has landed, so
+  the decode step never waits for the device. On CPU (tests) the copy is a
+  plain, synchronous one and is read at the next poll.
+- ``PageReadMetrics`` (one per worker process) sums the deltas of all pollers
+  and publishes them two ways:
+
+  * with patch 0004 (``vllm.v1.metrics.attn_backend_stats``) it is registered
+    as an attention-backend stats provider: the worker attaches
+    ``{"moira_page_read_fraction": f}`` to its ModelRunnerOutput, the engine
+    core forwards it in SchedulerStats, and the frontend exports the gauge
+    ``vllm:moira_page_read_fraction`` on /metrics and appends it to
+    LoggingStatLogger's periodic line;
+  * without patch 0004 (plugin mode, older series) it logs
+    ``Moira page reads: X%`` from the worker every ``VLLM_LOG_STATS_INTERVAL``
+    seconds (vLLM's stats cadence, default 10 s) while decode is running.
+
+Warmup and CUDA-graph capture also run Select (on dummy one-page rows, all
+kept): the first log interval after startup can include them; the gauge,
+which covers only the last few steps, does not after the first decode step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Key in the attention-backend stats dict (patch 0004); exported as
+#: ``vllm:moira_page_read_fraction``.
+PAGE_READ_FRACTION_KEY = "moira_page_read_fraction"
+#: In-tree module added by patch 0004.
+ATTN_BACKEND_STATS_MODULE = "vllm.v1.metrics.attn_backend_stats"
+
+
+def _log_interval_s() -> float:
+    try:
+        import vllm.envs as envs
+
+        return float(envs.VLLM_LOG_STATS_INTERVAL)
+    except Exception:  # pragma: no cover - envs always has it in 0.30
+        return 10.0
+
+
+def has_attn_backend_stats_channel() -> bool:
+    """True when the running vLLM carries patch 0004 (stats reach /metrics)."""
+    try:
+        return importlib.util.find_spec(ATTN_BACKEND_STATS_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class PageReadMetrics:
+    """Process-wide sums of (pages kept, pages in the rows) deltas.
+
+    ``observe`` is called by the pollers; ``take_stats`` is the provider that
+    patch 0004's worker hook calls once per step (it drains its window);
+    ``maybe_log`` is the worker-side log at vLLM's cadence (its own window).
+    """
+
+    def __init__(
+        self,
+        log_interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log_fn: Callable[..., None] | None = None,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._log_interval_s = _log_interval_s() if log_interval_s is None else log_interval_s
+        self._log_fn = log_fn if log_fn is not None else logger.info
+        self._stats_kept = 0
+        self._stats_total = 0
+        self._log_kept = 0
+        self._log_total = 0
+        self._last_log = clock()
+        #: Fraction of the last completed poll window (for tests/benchmarks).
+        self.last_fraction: float | None = None
+        #: Whether the worker-side log is on (off once patch 0004's channel is used).
+        self.worker_log = True
+
+    def observe(self, kept: int, total: int) -> None:
+        if total <= 0:
+            return
+        with self._lock:
+            self._stats_kept += kept
+            self._stats_total += total
+            self._log_kept += kept
+            self._log_total += total
+            self.last_fraction = kept / total
+
+    def take_stats(self) -> dict[str, float] | None:
+        """Attention-backend stats since the previous call (None: nothing new)."""
+        with self._lock:
+            if self._stats_total <= 0:
+                return None
+            fraction = self._stats_kept / self._stats_total
+            self._stats_kept = self._stats_total = 0
+        return {PAGE_READ_FRACTION_KEY: fraction}
+
+    def maybe_log(self, now: float | None = None) -> str | None:
+        """Log ``Moira page reads: X%`` once per interval; returns the line logged."""
+        if not self.worker_log:
+            return None
+        now = self._clock() if now is None else now
+        with self._lock:
+            elapsed = now - self._last_log
+            if elapsed < self._log_interval_s:
+                return None
+            kept, total = self._log_kept, self._log_total
+            self._log_kept = self._log_total = 0
+            self._last_log = now
+        if total <= 0:
+            return None  # no decode in this interval: stay quiet, like vLLM when idle
+        args = (100.0 * kept / total, kept, total, elapsed)
+        fmt = "Moira page reads: %.1f%% (%d of %d pages, last %.0f s)"
+        self._log_fn(fmt, *args)
+        return fmt % args
+
+
+_METRICS: PageReadMetrics | None = None
+_METRICS_LOCK = threading.Lock()
+
+
+def get_page_read_metrics() -> PageReadMetrics:
+    """The worker process's PageReadMetrics; registers it with patch 0004 once."""
+    global _METRICS
+    with _METRICS_LOCK:
+        if _METRICS is None:
+            metrics = PageReadMetrics()
+            if has_attn_backend_stats_channel():
+                from vllm.v1.metrics.attn_backend_stats import (  # type: ignore[import-not-found]
+                    register_attn_backend_stats_provider,
+                )
+
+                register_attn_backend_stats_provider(metrics.take_stats)
+                metrics.worker_log = False  # the frontend's LoggingStatLogger logs it
+            _METRICS = metrics
+        return _METRICS
+
+
+def reset_page_read_metrics() -> None:
+    """Forget the process-wide instance (tests)."""
+    global _METRICS
+    with _METRICS_LOCK:
+        _METRICS = None
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class ReadStatsPoller:
+    """Non-blocking reader of one workspace's ``read_stats`` counters.
+
+    Call ``poll()`` on the host once per step, outside CUDA graphs (the
+    metadata builder's ``build()``). It never synchronizes with the device:
+    it reads a copy only after its event completed, then starts the next one.
+    Returns the (kept, total) deltas since the previous reading, or None.
+    """
+
+    def __init__(
+        self,
+        read_stats: torch.Tensor,
+        metrics: PageReadMetrics | None = None,
+    ) -> None:
+        if read_stats.dtype != torch.int64 or read_stats.numel() != 2:
+            raise ValueError(
+                f"Moira: read_stats must be an int64 tensor of 2 elements, got "
+                f"{read_stats.dtype} of shape {tuple(read_stats.shape)}"
+            )
+        self._src = read_stats
+        self._on_device = read_stats.device.type == "cuda"
+        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=self._on_device)
+        self._event = torch.cuda.Event() if self._on_device else None
+        self._pending = False
+        self._last = (0, 0)
+        self._metrics = metrics if metrics is not None else get_page_read_metrics()
+
+    def _copy_ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def poll(self) -> tuple[int, int] | None:
+        if _is_capturing():
+            return None  # build() of a graph capture: no copies or event queries
+        delta = None
+        if self._pending and self._copy_ready():
+            kept, total = (int(v) for v in self._host.tolist())
+            self._pending = False
+            dk, dt = kept - self._last[0], total - self._last[1]
+            self._last = (kept, total)
+            if dt < 0 or dk < 0:
+                dk = dt = 0  # counters were zeroed (e.g. by a benchmark): new baseline
+            if dt > 0:
+                delta = (dk, dt)
+                self._metrics.observe(dk, dt)
+        if not self._pending:
+            # Enqueued on the current stream before this step's kernels: it
+            # sees the totals of every step launched so far.
+            self._host.copy_(self._src, non_blocking=self._on_device)
+            if self._event is not None:
+                self._event.record()
+            self._pending = True
+        self._metrics.maybe_log()
+        return delta
