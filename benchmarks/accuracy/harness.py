@@ -94,11 +94,29 @@ def estimate_logmass(
         summ = torch.cat([summ, summ[-1:].expand(n - summ.shape[0], -1, -1, -1)])
     if estimator == "mvar":
         est = ref.mvar_page_logmass(query, summ[:, :, :2], scale)
+    elif ":" in estimator:
+        est = _param_estimator(query, summ, scale, estimator)
     else:
         est = ref.robust_page_logmass(query, summ, scale, estimator)
     est[..., 0] = exact[..., 0]
     est[..., n - 1] = exact[..., n - 1]
     return est, exact
+
+
+def _param_estimator(query, summ, scale, name):
+    """Exploration-only parametrised estimators (``ext:delta``, ``vscale:alpha``)."""
+    kind, val = name.split(":")
+    val = float(val)
+    mvar = ref.mvar_page_logmass(query, summ[:, :, :2], scale)
+    if kind == "ext":  # mvar plus one key at the box's max-logit bound, minus delta
+        box_max = ref.box_page_logmass(query, summ, scale) - math.log(PAGE)
+        return torch.logaddexp(mvar, box_max - val)
+    if kind == "vscale":  # variance term scaled by alpha
+        base = ref.mvar_page_logmass(
+            query, torch.stack([summ[:, :, 0], summ[:, :, 1] * 0], 2), scale
+        )
+        return base + val * (mvar - base)
+    raise ValueError(name)
 
 
 def select_lists(sel: Selector, est: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
