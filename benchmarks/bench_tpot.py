@@ -1,0 +1,647 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode TPOT in vLLM 0.30: dense FA3 vs Moira (paper Tables 3, 4 and 7 protocol).
+
+One in-process engine per invocation (one model, one backend), dummy weights,
+token-id prompts, block_size 64, prefix caching off, torch.compile mode 3 with
+FULL_AND_PIECEWISE CUDA graphs, chunked prefill (16384 tokens per step). For
+each shape (context x batch) one batch of random prompts is submitted and the
+engine is stepped by hand. A "full decode step" is one in which every request
+got one token and none got its first (no prefill rows). TPOT = median interval
+between consecutive full decode steps.
+
+Arms. FLASH_ATTN: one arm, "dense". MOIRA: per shape, the coverage rule at each
+--gammas value, then the fixed-count selector at the paper's gamma=0.98 read
+fraction for the shape (--fixed-fractions; batch 1: 0.3). All arms of a shape
+run on the same batch, one after another, in windows of full decode steps:
+the selector is switched in place on the live workspaces
+(MoiraWorkspace.set_selector, picked up by the captured graphs), --settle
+steps are dropped, then --gen steps are timed. reads = pages kept / pages in
+the rows, from MoiraWorkspace.read_stats zeroed at the start of the timed
+window and read at its end (so prefill and mixed steps never count). The
+context grows by the tokens of earlier windows (<= 2% at 8k).
+
+--breakdown CONTEXTxBATCH adds a window at that shape (first arm's setting)
+profiled with torch.profiler (CUDA activity, kernels inside the graphs): time
+per step by kernel (Moira estimate/select/attend/merge/summaries, GEMM, FA3,
+rest), written under "breakdown". --batch1 adds contexts 2k..64k at batch 1.
+
+    source /opt/vllm030/env.sh
+    python benchmarks/bench_tpot.py --model shared/gpu/models/Llama-3.1-8B --backend MOIRA \\
+        --batch1 --breakdown 130048x4 --out benchmarks/results/tpot_llama_moira.json
+    python benchmarks/bench_tpot.py --model shared/gpu/models/Llama-3.1-8B --backend FLASH_ATTN \\
+        --batch1 --breakdown 130048x4 --out benchmarks/results/tpot_llama_dense.json
+    python benchmarks/bench_tpot.py --merge benchmarks/results/tpot_llama_*.json \\
+        --out benchmarks/results/tpot_h200.json
+
+--merge also accepts shared/gpu/bench_dense_tpot.py JSON files (dense rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEFAULT_SHAPES = "8192x32,16384x32,32768x16,65536x8,130048x4"
+QUICK_SHAPES = "130048x4,8192x32"
+BATCH1_SHAPES = "2048x1,4096x1,8192x1,16384x1,32768x1,65536x1"
+BATCH1_FIXED_FRACTION = 0.3
+#: Paper Table 3 page reads of gamma=0.98, used as the fixed-count fraction.
+PAPER_FIXED_FRACTIONS = {
+    "llama": {(8192, 32): 0.42, (16384, 32): 0.37, (32768, 16): 0.31, (65536, 8): 0.16,
+              (130048, 4): 0.15},
+    "qwen": {(8192, 32): 0.49, (16384, 32): 0.43, (32768, 16): 0.39, (65536, 8): 0.25,
+             (130048, 4): 0.21},
+}  # fmt: skip
+MOIRA_KERNELS = {
+    "kernel_moira_estimate": "estimate",
+    "kernel_moira_select": "select",
+    "kernel_moira_attend": "attend",
+    "kernel_moira_merge": "merge",
+    "kernel_moira_write_summaries": "summaries",
+}
+GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk")
+FA3_MARKERS = ("flash", "fmha", "flashattn")
+
+
+# --------------------------------------------------------------------------
+# Pure helpers (CPU; unit-tested in tests/benchmarks/)
+# --------------------------------------------------------------------------
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'130048x4,8192x32' -> [(context, batch), ...]."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if item:
+            context, batch = item.lower().split("x")
+            out.append((int(context), int(batch)))
+    return out
+
+
+def model_family(model: str) -> str | None:
+    name = os.path.basename(os.path.normpath(model)).lower()
+    for family in PAPER_FIXED_FRACTIONS:
+        if family in name:
+            return family
+    return None
+
+
+def parse_fraction_overrides(text: str | None) -> dict[tuple[int, int], float]:
+    """'8192x32=0.4,130048x4=0.15' -> {(8192, 32): 0.4, (130048, 4): 0.15}."""
+    out = {}
+    for item in (text or "").split(","):
+        if item.strip():
+            shape, value = item.split("=")
+            ((context, batch),) = parse_shapes(shape)
+            out[(context, batch)] = float(value)
+    return out
+
+
+def fixed_fraction_for(family, context, batch, overrides=None) -> float | None:
+    if overrides and (context, batch) in overrides:
+        return overrides[(context, batch)]
+    if batch == 1:
+        return BATCH1_FIXED_FRACTION
+    return PAPER_FIXED_FRACTIONS.get(family or "", {}).get((context, batch))
+
+
+def plan_arms(backend, family, context, batch, gammas, overrides=None) -> list[dict]:
+    """The arms of one shape: dense, or Moira coverage per gamma + fixed."""
+    if backend != "MOIRA":
+        return [{"arm": "dense", "selector": None, "gamma": None, "fixed_fraction": None}]
+    arms = [{"arm": "moira", "selector": "coverage", "gamma": g, "fixed_fraction": None}
+            for g in gammas]  # fmt: skip
+    fraction = fixed_fraction_for(family, context, batch, overrides)
+    if fraction is not None:
+        arms.append(
+            {"arm": "moira", "selector": "fixed", "gamma": None, "fixed_fraction": fraction}
+        )
+    return arms
+
+
+def interval_stats(full_steps: list[tuple[int, float]]) -> dict:
+    """TPOT statistics from (global step number, end time) of full decode
+    steps; only intervals between consecutive step numbers count."""
+    iv = sorted(b[1] - a[1] for a, b in zip(full_steps, full_steps[1:]) if b[0] == a[0] + 1)
+    if not iv:
+        return {"tpot_ms": None, "steps": 0, "p10_ms": None, "p90_ms": None, "mean_ms": None}
+    return {
+        "tpot_ms": 1e3 * statistics.median(iv),
+        "steps": len(iv),
+        "p10_ms": 1e3 * iv[len(iv) // 10],
+        "p90_ms": 1e3 * iv[(9 * len(iv)) // 10],
+        "mean_ms": 1e3 * statistics.fmean(iv),
+    }
+
+
+def max_tokens_for(context, batch, windows, max_num_batched_tokens) -> int:
+    """Tokens per request: steps until the last prefill (upper bound) + the
+    full decode steps of every window + slack."""
+    prefill_steps = math.ceil(context * batch / max_num_batched_tokens) + batch + 4
+    return prefill_steps + sum(w["settle"] + w["measure"] for w in windows) + 8
+
+
+def classify_kernel(name: str) -> str:
+    for key, cat in MOIRA_KERNELS.items():
+        if key in name:
+            return cat
+    low = name.lower()
+    if any(m in low for m in FA3_MARKERS):
+        return "fa3"
+    if any(m in low for m in GEMM_MARKERS):
+        return "gemm"
+    return "rest"
+
+
+def summarize_kernels(events: list[tuple[str, float]], steps: float) -> dict:
+    """[(kernel name, us)] -> ms per step by category (+ total, top kernels)."""
+    cats: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for name, us in events:
+        cat = classify_kernel(name)
+        cats[cat] = cats.get(cat, 0.0) + us
+        by_name[name] = by_name.get(name, 0.0) + us
+    steps = max(steps, 1e-9)
+    out = {f"{c}_ms": v / 1e3 / steps for c, v in sorted(cats.items())}
+    out["kernels_total_ms"] = sum(cats.values()) / 1e3 / steps
+    if "estimate" in cats or "select" in cats:
+        out["estimate_select_ms"] = (cats.get("estimate", 0) + cats.get("select", 0)) / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    out["top_kernels_ms"] = {n[:120]: v / 1e3 / steps for n, v in top}
+    return out
+
+
+TPOT_ROW_KEYS = ("model", "batch", "context", "arm", "selector", "gamma", "reads", "tpot_ms",
+                 "steps", "p10_ms", "p90_ms")  # fmt: skip
+
+
+def validate_tpot_row(row: dict) -> None:
+    missing = [k for k in TPOT_ROW_KEYS if k not in row]
+    if missing:
+        raise ValueError(f"row {row!r}: missing {missing}")
+    if row["arm"] not in ("dense", "moira"):
+        raise ValueError(f"row {row!r}: arm must be 'dense' or 'moira'")
+    if row["arm"] == "moira" and row["selector"] not in ("coverage", "fixed"):
+        raise ValueError(f"row {row!r}: moira rows need selector 'coverage' or 'fixed'")
+    if row["arm"] == "dense" and (row["selector"] is not None or row["reads"] is not None):
+        raise ValueError(f"row {row!r}: dense rows have selector and reads null")
+    if not isinstance(row["batch"], int) or not isinstance(row["context"], int):
+        raise ValueError(f"row {row!r}: batch and context must be int")
+    if row["tpot_ms"] is not None and not row["tpot_ms"] > 0:
+        raise ValueError(f"row {row!r}: tpot_ms must be > 0 or null")
+    if row["reads"] is not None and not 0 < row["reads"] <= 1:
+        raise ValueError(f"row {row!r}: reads must be in (0, 1] or null")
+
+
+def rows_from_file(data: dict) -> tuple[list[dict], dict]:
+    """Rows of one input of --merge: this script's JSON, or a dense JSON of
+    shared/gpu/bench_dense_tpot.py ({"info", "results"})."""
+    if "rows" in data:
+        return list(data["rows"]), data
+    info = data.get("info", {})
+    rows = []
+    for r in data.get("results", []):
+        if "tpot_ms_median" not in r:
+            continue
+        rows.append({
+            "model": info.get("model"), "batch": int(r["batch"]), "context": int(r["ctx"]),
+            "arm": "dense", "selector": None, "gamma": None, "reads": None,
+            "tpot_ms": r["tpot_ms_median"], "steps": r.get("full_decode_steps"),
+            "p10_ms": r.get("tpot_ms_p10"), "p90_ms": r.get("tpot_ms_p90"),
+            "mean_ms": r.get("tpot_ms_mean"), "gen": r.get("gen"),
+            "source": "shared/gpu/bench_dense_tpot.py",
+        })  # fmt: skip
+    return rows, {"command": "shared/gpu/bench_dense_tpot.py " + json.dumps(info.get("args", {})),
+                  "gpu": info.get("gpu")}  # fmt: skip
+
+
+def speedup_rows(rows: list[dict]) -> list[dict]:
+    """dense / moira TPOT for every Moira row with a dense row of its shape
+    (the first dense row found for a (model, batch, context))."""
+    dense = {}
+    for r in rows:
+        if r["arm"] == "dense" and r.get("tpot_ms"):
+            dense.setdefault((r["model"], r["batch"], r["context"]), r)
+    out = []
+    for r in rows:
+        d = dense.get((r["model"], r["batch"], r["context"]))
+        if r["arm"] == "moira" and d and r.get("tpot_ms"):
+            out.append({
+                "model": r["model"], "batch": r["batch"], "context": r["context"],
+                "selector": r["selector"], "gamma": r["gamma"],
+                "fixed_fraction": r.get("fixed_fraction"), "reads": r["reads"],
+                "dense_ms": d["tpot_ms"], "moira_ms": r["tpot_ms"],
+                "speedup": d["tpot_ms"] / r["tpot_ms"],
+            })  # fmt: skip
+    return out
+
+
+def merge(paths: list[str], out: str) -> dict:
+    rows, sources, breakdown, gpus = [], [], [], set()
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        got, meta = rows_from_file(data)
+        rows += got
+        sources.append({"file": path, "command": meta.get("command"), "rows": len(got)})
+        if meta.get("gpu"):
+            gpus.add(meta["gpu"])
+        if data.get("breakdown"):
+            for b in (
+                data["breakdown"] if isinstance(data["breakdown"], list) else [data["breakdown"]]
+            ):
+                breakdown.append(b)
+    record = {
+        "command": "python benchmarks/bench_tpot.py --merge " + " ".join(paths) + f" --out {out}",
+        "gpu": ", ".join(sorted(gpus)),
+        "sources": sources,
+        "rows": rows,
+        "speedups": speedup_rows(rows),
+        "breakdown": breakdown,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+# --------------------------------------------------------------------------
+# Engine part (GPU)
+# --------------------------------------------------------------------------
+class Selector:
+    """Switches Moira's selector on every live workspace; sums read_stats."""
+
+    def __init__(self, backend: str):
+        self.workspaces: list = []
+        self.note = None
+        if backend != "MOIRA":
+            return
+        import gc
+
+        from vllm.v1.attention.backends.moira import MoiraWorkspace
+
+        seen = {}
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, MoiraWorkspace):
+                    seen[id(obj)] = obj
+            except Exception:
+                continue
+        self.workspaces = list(seen.values())
+        if not self.workspaces:
+            self.note = "no MoiraWorkspace found in this process (is the engine in-process?)"
+        elif not all(hasattr(ws, "set_selector") for ws in self.workspaces):
+            self.note = "MoiraWorkspace.set_selector missing: only the MOIRA_* env setting runs"
+
+    @property
+    def can_switch(self) -> bool:
+        return bool(self.workspaces) and self.note is None
+
+    def apply(self, arm: dict) -> None:
+        import torch
+
+        if arm["arm"] != "moira" or not self.can_switch:
+            return
+        for ws in self.workspaces:
+            if arm["selector"] == "fixed":
+                cfg = dataclasses.replace(ws.config, selector="fixed", fixed_pages=None,
+                                          fixed_fraction=arm["fixed_fraction"])  # fmt: skip
+            else:
+                cfg = dataclasses.replace(ws.config, selector="coverage", gamma=arm["gamma"],
+                                          fixed_pages=None, fixed_fraction=None)  # fmt: skip
+            ws.set_selector(cfg)
+        torch.cuda.synchronize()
+
+    def zero(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        for ws in self.workspaces:
+            ws.read_stats.zero_()
+        torch.cuda.synchronize()
+
+    def reads(self) -> float | None:
+        import torch
+
+        if not self.workspaces:
+            return None
+        torch.cuda.synchronize()
+        kept = sum(int(ws.read_stats[0]) for ws in self.workspaces)
+        total = sum(int(ws.read_stats[1]) for ws in self.workspaces)
+        return kept / total if total else None
+
+
+def kernel_events(prof) -> list[tuple[str, float]]:
+    from torch.autograd import DeviceType
+
+    out = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) == DeviceType.CUDA:
+            out.append((evt.name, float(evt.time_range.elapsed_us())))
+    return out
+
+
+def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, rng) -> None:
+    import torch
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    windows = [dict(arm, kind="arm", settle=a.settle, measure=a.gen) for arm in arms]
+    if a.breakdown and (context, batch) in a.breakdown:
+        windows.append(dict(arms[0], kind="profile", settle=a.settle, measure=a.profile_steps))
+    max_tokens = max_tokens_for(context, batch, windows, a.max_num_batched_tokens)
+    if batch * (context + max_tokens) > ctx["kv_capacity_tokens"]:
+        print(f"SKIP {context}x{batch}: KV capacity", flush=True)
+        for arm in arms:
+            emit(dict(base_row(ctx, context, batch, arm), skipped="kv capacity"))
+        return
+    if context + max_tokens > ctx["max_model_len"]:
+        print(f"SKIP {context}x{batch}: max_model_len", flush=True)
+        for arm in arms:
+            emit(dict(base_row(ctx, context, batch, arm), skipped="max_model_len"))
+        return
+    sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                        temperature=0.0, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    selector.apply(windows[0])
+    preprocess = getattr(llm, "_preprocess_cmpl_one", None)
+    ids = []
+    t_submit = time.perf_counter()
+    for i in range(batch):
+        prompt = {"prompt_token_ids": rng.integers(100, ctx["vocab"] - 100, size=context).tolist()}
+        inp = preprocess(prompt, None, mm_processor_kwargs=None) if preprocess else prompt
+        rid = f"{context}x{batch}-{i}-{time.time_ns()}"
+        eng.add_request(rid, inp, sp.clone() if hasattr(sp, "clone") else sp)
+        ids.append(rid)
+    got = dict.fromkeys(ids, 0)
+    starts, acc = [], 0
+    for w in windows:
+        starts.append(acc)
+        acc += w["settle"] + w["measure"]
+    w_idx, full_idx, step_no = 0, 0, 0
+    stamps: list[list[tuple[int, float]]] = [[] for _ in windows]
+    done = [False] * len(windows)
+    prof, t_first_full = None, None
+    prof_calls = 0
+
+    def finish(i: int) -> None:
+        nonlocal prof
+        w = windows[i]
+        done[i] = True
+        if w["kind"] == "profile":
+            if prof is None:
+                return
+            try:
+                prof.stop()
+                events = kernel_events(prof)
+                n_select = sum(1 for n, _ in events if "kernel_moira_select" in n)
+                steps = n_select / ctx["num_layers"] if n_select else float(prof_calls)
+                b = {"model": ctx["model"], "backend": a.backend, "batch": batch,
+                     "context": context, "selector": w["selector"], "gamma": w["gamma"],
+                     "profiled_steps": steps, "step_calls": prof_calls,
+                     "kernel_events": len(events)}  # fmt: skip
+                b.update(interval_stats(stamps[i]))
+                b.update(summarize_kernels(events, steps))
+                if not events:
+                    b["error"] = "profiler recorded no CUDA kernels"
+            except Exception as exc:
+                b = {"model": ctx["model"], "batch": batch, "context": context,
+                     "error": f"{type(exc).__name__}: {exc}"[:500]}  # fmt: skip
+            prof = None
+            ctx["breakdown"].append(b)
+            print("BREAKDOWN", json.dumps(b), flush=True)
+            emit(None)
+            return
+        row = base_row(ctx, context, batch, w)
+        row.update(interval_stats(stamps[i]))
+        row["reads"] = selector.reads() if w["arm"] == "moira" else None
+        if w["arm"] == "moira" and not selector.can_switch:
+            row["note"] = selector.note
+        row["prefill_s"] = (t_first_full - t_submit) if t_first_full else None
+        row["gen_window"] = w["measure"]
+        if row["steps"] < w["measure"] - 1:
+            row["incomplete"] = True
+        emit(row)
+
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        t = time.perf_counter()
+        if not outs:  # nothing returned (e.g. async scheduling filling its queue)
+            continue
+        step_no += 1
+        if prof is not None:
+            prof_calls += 1
+        n_new, first = 0, False
+        for o in outs:
+            k = len(o.outputs[0].token_ids) if o.outputs else 0
+            if k:
+                n_new += 1
+                first = first or got.get(o.request_id, 1) == 0
+                got[o.request_id] = got.get(o.request_id, 0) + k
+        if n_new != batch or first or w_idx >= len(windows):
+            continue
+        if t_first_full is None:
+            t_first_full = t
+        w = windows[w_idx]
+        rel = full_idx - starts[w_idx]
+        full_idx += 1
+        if rel >= w["settle"] - 1:
+            stamps[w_idx].append((step_no, t))
+        if rel == w["settle"] - 1:  # timed window starts after this step
+            selector.zero()
+            if w["kind"] == "profile":
+                try:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    prof = profile(activities=[ProfilerActivity.CUDA])
+                    prof.start()
+                    prof_calls = 0
+                except Exception as exc:
+                    ctx["breakdown"].append({"error": f"profiler start: {exc}"[:300]})
+        if rel == w["settle"] + w["measure"] - 1:
+            finish(w_idx)
+            w_idx += 1
+            if w_idx < len(windows):
+                selector.apply(windows[w_idx])
+            else:
+                try:  # all windows done: drop the remaining tokens
+                    eng.abort_request(ids)
+                except Exception as exc:
+                    print(f"abort_request failed ({exc}); stepping to the end", flush=True)
+    for i in range(len(windows)):  # requests ended early: keep what was measured
+        if not done[i]:
+            finish(i)
+    torch.cuda.synchronize()
+    print(f"shape {context}x{batch} done in {time.perf_counter() - t_submit:.1f}s", flush=True)
+
+
+def base_row(ctx, context, batch, arm) -> dict:
+    return {
+        "model": ctx["model"], "batch": batch, "context": context, "arm": arm["arm"],
+        "selector": arm["selector"], "gamma": arm["gamma"],
+        "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
+        "p10_ms": None, "p90_ms": None,
+    }  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="shared/gpu/models/Llama-3.1-8B")
+    ap.add_argument("--backend", default="MOIRA", choices=["FLASH_ATTN", "MOIRA"])
+    ap.add_argument("--shapes", default=None, help=f"CONTEXTxBATCH,... (default {DEFAULT_SHAPES})")
+    ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, --gen 32")
+    ap.add_argument("--batch1", action="store_true", help=f"add {BATCH1_SHAPES}")
+    ap.add_argument("--gen", type=int, default=64, help="timed full decode steps per arm")
+    ap.add_argument("--settle", type=int, default=3, help="untimed steps after a switch (>= 1)")
+    ap.add_argument("--gammas", default="0.98", help="coverage arms (MOIRA), e.g. 0.98,0.99")
+    ap.add_argument("--fixed-fractions", default=None,
+                    help="CONTEXTxBATCH=F,... overrides of the fixed arm's fraction")  # fmt: skip
+    ap.add_argument("--no-fixed", action="store_true", help="MOIRA: coverage arms only")
+    ap.add_argument("--breakdown", default=None, help="CONTEXTxBATCH[,...]: profile one window")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-mem-util", type=float, default=0.92)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=0, help="skip shapes after this many s")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", nargs="+", help="join result JSONs into --out (no GPU)")
+    a = ap.parse_args()
+    if a.merge:
+        if not a.out:
+            ap.error("--merge needs --out")
+        record = merge(a.merge, a.out)
+        print(f"wrote {a.out}: {len(record['rows'])} rows, {len(record['speedups'])} speedups")
+        for s in record["speedups"]:
+            print(f"  {s['model']} {s['context']}x{s['batch']} {s['selector']} "
+                  f"reads={s['reads']} speedup={s['speedup']:.2f}")  # fmt: skip
+        return 0
+    a.settle = max(1, a.settle)
+    if a.quick:
+        a.shapes = a.shapes or QUICK_SHAPES
+        a.gen = min(a.gen, 32)
+    shapes = parse_shapes(a.shapes or DEFAULT_SHAPES)
+    if a.batch1:
+        shapes += [s for s in parse_shapes(BATCH1_SHAPES) if s not in shapes]
+    a.breakdown = parse_shapes(a.breakdown) if a.breakdown else []
+    # profiled shapes last: a profiler failure cannot cost the other shapes
+    shapes = [s for s in shapes if s not in a.breakdown] + [s for s in shapes if s in a.breakdown]
+    gammas = [float(g) for g in a.gammas.split(",") if g.strip()]
+    overrides = parse_fraction_overrides(a.fixed_fractions)
+    family = model_family(a.model)
+    model_name = os.path.basename(os.path.normpath(a.model))
+    out = Path(a.out or f"benchmarks/results/tpot_{model_name}_{a.backend.lower()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.time()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # workspaces in-process
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.pop("VLLM_ATTENTION_BACKEND", None)
+    import numpy as np
+    import torch
+    from vllm import LLM
+
+    cfg = json.loads((Path(a.model) / "config.json").read_text())
+    plans = {s: plan_arms(a.backend, family, s[0], s[1], gammas, overrides) for s in shapes}
+    if a.no_fixed:
+        plans = {s: [x for x in p if x["selector"] != "fixed"] for s, p in plans.items()}
+    window = {"settle": a.settle, "measure": max(a.gen, a.profile_steps)}
+    budget = {
+        s: max_tokens_for(s[0], s[1], [window] * (len(p) + 1), a.max_num_batched_tokens)
+        for s, p in plans.items()
+    }
+    max_len = max(c + budget[(c, b)] for c, b in shapes)
+    max_pos = int(cfg.get("max_position_embeddings", max_len))
+    if max_len > max_pos:
+        print(f"max_model_len {max_len} > {max_pos}: capped (longest shape may be skipped)")
+        max_len = max_pos
+    attn = {"backend": a.backend}
+    if a.backend == "FLASH_ATTN":
+        attn["flash_attn_version"] = 3
+    sizes = sorted({1, 2} | {b for _, b in shapes})
+    kw = dict(
+        model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        block_size=64, max_model_len=max_len, max_num_seqs=max(b for _, b in shapes),
+        max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
+        gpu_memory_utilization=a.gpu_mem_util, seed=a.seed, attention_config=attn,
+        compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
+                            "cudagraph_capture_sizes": sizes},
+    )  # fmt: skip
+    print("LLM kwargs:", kw, flush=True)
+    record: dict = {
+        "command": "python " + " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "model": model_name,
+        "backend": a.backend,
+        "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
+        "notes": [],
+        "rows": [],
+        "breakdown": [],
+    }
+
+    def write():
+        record["wall_s"] = round(time.time() - t_start, 1)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+
+    write()
+    t0 = time.time()
+    llm = LLM(**kw)
+    eng = llm.llm_engine
+    nblocks = eng.vllm_config.cache_config.num_gpu_blocks or 0
+    record["engine"] = {"init_s": round(time.time() - t0, 1), "num_gpu_blocks": nblocks,
+                        "vllm": __import__("vllm").__version__, "torch": torch.__version__,
+                        "cudagraph_mode": str(eng.vllm_config.compilation_config.cudagraph_mode),
+                        "max_model_len": max_len}  # fmt: skip
+    print(f"engine ready: {record['engine']}", flush=True)
+    selector = Selector(a.backend)
+    if a.backend == "MOIRA":
+        record["engine"]["moira_workspaces"] = len(selector.workspaces)
+        if selector.note:
+            record["notes"].append(selector.note)
+            print("WARNING:", selector.note, flush=True)
+    ctx = {"model": model_name, "vocab": int(cfg["vocab_size"]), "num_layers":
+           int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,
+           "max_model_len": max_len, "breakdown": record["breakdown"]}  # fmt: skip
+    write()
+
+    def emit(row):
+        if row is not None:
+            try:
+                validate_tpot_row(row)
+            except ValueError as exc:
+                row["schema_error"] = str(exc)[:300]
+            record["rows"].append(row)
+            print("ROW", json.dumps(row), flush=True)
+        write()
+
+    rng = np.random.default_rng(a.seed)
+    for context, batch in shapes:
+        arms = plans[(context, batch)]
+        if a.backend == "MOIRA" and not selector.can_switch:
+            arms = arms[:1]  # cannot switch: the env setting only (see notes)
+        if a.deadline_s and time.time() - t_start > a.deadline_s:
+            print(f"SKIP {context}x{batch}: deadline", flush=True)
+            for arm in arms:
+                emit(dict(base_row(ctx, context, batch, arm), skipped="deadline"))
+            continue
+        print(f"== {context}x{batch}: arms {arms}", flush=True)
+        try:
+            run_shape(eng, llm, a, ctx, selector, context, batch, arms, emit, rng)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            record["notes"].append(f"{context}x{batch}: {type(exc).__name__}: {exc}"[:500])
+            write()
+    write()
+    print(f"wrote {out} ({len(record['rows'])} rows) in {time.time() - t_start:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

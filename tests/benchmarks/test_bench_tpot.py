@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pure helpers of benchmarks/bench_tpot.py (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _load import load
+
+bt = load("bench_tpot")
+
+
+def test_parse_and_family():
+    assert bt.parse_shapes(bt.DEFAULT_SHAPES)[-1] == (130048, 4)
+    assert bt.model_family("shared/gpu/models/Llama-3.1-8B/") == "llama"
+    assert bt.model_family("shared/gpu/models/Qwen3-4B") == "qwen"
+    assert bt.model_family("x/SmolLM2") is None
+    assert bt.parse_fraction_overrides("8192x32=0.4, 130048x4=0.15") == {
+        (8192, 32): 0.4,
+        (130048, 4): 0.15,
+    }
+
+
+def test_plan_arms():
+    assert bt.plan_arms("FLASH_ATTN", "llama", 130048, 4, [0.98]) == [
+        {"arm": "dense", "selector": None, "gamma": None, "fixed_fraction": None}
+    ]
+    arms = bt.plan_arms("MOIRA", "llama", 130048, 4, [0.98, 0.99])
+    assert [(a["selector"], a["gamma"], a["fixed_fraction"]) for a in arms] == [
+        ("coverage", 0.98, None),
+        ("coverage", 0.99, None),
+        ("fixed", None, 0.15),
+    ]
+    assert bt.plan_arms("MOIRA", "qwen", 8192, 32, [0.98])[-1]["fixed_fraction"] == 0.49
+    assert bt.plan_arms("MOIRA", None, 4096, 1, [0.98])[-1]["fixed_fraction"] == 0.3
+    assert len(bt.plan_arms("MOIRA", None, 1000, 3, [0.98])) == 1  # no fraction known
+    over = bt.plan_arms("MOIRA", "llama", 8192, 32, [0.98], {(8192, 32): 0.5})
+    assert over[-1]["fixed_fraction"] == 0.5
+
+
+def test_interval_stats_only_consecutive_steps():
+    stamps = [(10, 0.0), (11, 0.010), (12, 0.021), (14, 0.050), (15, 0.060)]
+    s = bt.interval_stats(stamps)
+    assert s["steps"] == 3  # 12 -> 14 skipped a step
+    assert s["tpot_ms"] == pytest.approx(10.0)
+    assert s["p10_ms"] <= s["tpot_ms"] <= s["p90_ms"]
+    assert bt.interval_stats([(1, 0.0)])["tpot_ms"] is None
+
+
+def test_max_tokens_covers_windows():
+    windows = [{"settle": 3, "measure": 64}] * 2
+    n = bt.max_tokens_for(130048, 4, windows, 16384)
+    assert n >= 2 * 67 + 130048 * 4 // 16384
+    assert 130048 + n <= 131072  # fits Llama-3.1-8B's 131072 positions
+
+
+def test_classify_and_summarize_kernels():
+    assert bt.classify_kernel("kernel_moira_select_0d1d2d") == "select"
+    assert bt.classify_kernel("void flash::FlashAttnFwdSm90<...>") == "fa3"
+    assert bt.classify_kernel("nvjet_tst_128x64") == "gemm"
+    assert bt.classify_kernel("triton_red_fused_rms_norm") == "rest"
+    one_step = [("kernel_moira_estimate", 20.0), ("kernel_moira_select", 10.0),
+                ("kernel_moira_attend", 100.0), ("sm90_xmma_gemm", 300.0), ("x", 70.0)]  # fmt: skip
+    events = one_step * 64
+    s = bt.summarize_kernels(events, steps=2)
+    assert s["estimate_ms"] == pytest.approx(0.64)
+    assert s["estimate_select_ms"] == pytest.approx(0.96)
+    assert s["kernels_total_ms"] == pytest.approx(500 * 64 / 1e3 / 2)
+    assert s["rest_ms"] == pytest.approx(70 * 64 / 1e3 / 2)
+
+
+def _row(**kw):
+    row = {"model": "Llama-3.1-8B", "batch": 4, "context": 130048, "arm": "moira",
+           "selector": "coverage", "gamma": 0.98, "reads": 0.15, "tpot_ms": 7.3, "steps": 63,
+           "p10_ms": 7.2, "p90_ms": 7.4}  # fmt: skip
+    row.update(kw)
+    return row
+
+
+def test_validate_tpot_row():
+    bt.validate_tpot_row(_row())
+    bt.validate_tpot_row(_row(arm="dense", selector=None, gamma=None, reads=None, tpot_ms=19.3))
+    bt.validate_tpot_row(_row(tpot_ms=None, steps=0))  # skipped shape
+    for bad in (_row(arm="x"), _row(selector=None), _row(reads=1.5), _row(tpot_ms=0),
+                _row(arm="dense", selector=None, reads=0.2), _row(batch="4")):  # fmt: skip
+        with pytest.raises(ValueError):
+            bt.validate_tpot_row(bad)
+    with pytest.raises(ValueError):
+        bt.validate_tpot_row({k: v for k, v in _row().items() if k != "reads"})
+
+
+def test_merge_with_dense_baseline_format(tmp_path):
+    moira = {"command": "c1", "gpu": "NVIDIA H200",
+             "rows": [_row(), _row(selector="fixed", gamma=None, fixed_fraction=0.15, tpot_ms=7.0)],
+             "breakdown": [{"model": "Llama-3.1-8B", "estimate_ms": 0.4}]}  # fmt: skip
+    dense = {"info": {"model": "Llama-3.1-8B", "gpu": "NVIDIA H200", "args": {"gen": 128}},
+             "results": [{"batch": 4, "ctx": 130048, "gen": 128, "tpot_ms_median": 19.32,
+                          "tpot_ms_p10": 19.2, "tpot_ms_p90": 19.4, "full_decode_steps": 103},
+                         {"batch": 8, "ctx": 65536, "skipped": "deadline"}]}  # fmt: skip
+    a, b = tmp_path / "m.json", tmp_path / "d.json"
+    a.write_text(json.dumps(moira))
+    b.write_text(json.dumps(dense))
+    out = tmp_path / "tpot.json"
+    rec = bt.merge([str(a), str(b)], str(out))
+    assert json.loads(out.read_text()) == rec
+    assert len(rec["rows"]) == 3 and rec["gpu"] == "NVIDIA H200"
+    for row in rec["rows"]:
+        bt.validate_tpot_row(row)
+    sp = {s["selector"]: s["speedup"] for s in rec["speedups"]}
+    assert sp["coverage"] == pytest.approx(19.32 / 7.3)
+    assert sp["fixed"] == pytest.approx(19.32 / 7.0)
+    assert rec["breakdown"] == moira["breakdown"]
