@@ -281,11 +281,11 @@ def fa3_fns(q, k, v, block_table, seqused, out, scale):
         num_heads_kv=k.shape[2], headdim=D, cache_seqlens=seqused, qkv_dtype=torch.bfloat16,
         cu_seqlens_q=cu_q, page_size=PAGE, causal=True, num_splits=FA3_GRAPH_SPLITS,
     )  # fmt: skip
-    return {
-        "heur": lambda: flash_attn_varlen_func(**common, num_splits=0),
+    return {  # vLLM's graph-safe setting first
         "vllm_cg": lambda: flash_attn_varlen_func(
             **common, scheduler_metadata=meta, num_splits=FA3_GRAPH_SPLITS
         ),
+        "heur": lambda: flash_attn_varlen_func(**common, num_splits=0),
     }
 
 
@@ -352,7 +352,7 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
         return time_variants(fns, timer)
 
     def pow2_arm():
-        per_variant: dict[str, list] = {"heur": [], "vllm_cg": []}
+        per_variant: dict[str, list] = {"vllm_cg": [], "heur": []}
         buckets = pow2_buckets(lengths, shape.n_pages)
         for width, idx in buckets.items():  # host bucketing + gathers: not timed
             sub = padded_lists(shape.orders[idx], [width] * len(idx))
