@@ -477,7 +477,8 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
     for i in range(len(windows)):  # requests ended early: keep what was measured
         if not done[i]:
             finish(i)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     print(f"shape {context}x{batch} done in {time.perf_counter() - t_submit:.1f}s", flush=True)
 
 

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench_tpot.run_shape's window logic against a fake engine (CPU, no vLLM engine)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from _load import load
+
+bt = load("bench_tpot")
+pytest.importorskip("vllm", reason="run_shape builds vLLM SamplingParams")
+
+
+class FakeEngine:
+    """Chunked prefill (``chunk`` tokens per step, in order), then one token
+    per decoding request per step; outputs in DELTA mode."""
+
+    def __init__(self, chunk=1000):
+        self.chunk, self.reqs, self.log = chunk, {}, []
+
+    def add_request(self, rid, inp, sp):
+        self.reqs[rid] = {"left": len(inp["prompt_token_ids"]), "gen": 0, "max": sp.max_tokens}
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.reqs.pop(rid, None)
+
+    def step(self):
+        budget, outs = self.chunk, []
+        for rid, r in list(self.reqs.items()):
+            if r["left"] > 0:
+                take = min(budget, r["left"])
+                r["left"] -= take
+                budget -= take
+                if r["left"] > 0:
+                    continue
+            elif budget <= 0:
+                continue
+            r["gen"] += 1
+            outs.append(types.SimpleNamespace(
+                request_id=rid, outputs=[types.SimpleNamespace(token_ids=[1])]))  # fmt: skip
+            if r["gen"] >= r["max"]:
+                del self.reqs[rid]
+        return outs
+
+
+class FakeSelector:
+    def __init__(self):
+        self.calls, self.can_switch, self.note = [], True, None
+
+    def apply(self, arm):
+        self.calls.append(("apply", arm.get("selector"), arm.get("fixed_fraction")))
+
+    def zero(self):
+        self.calls.append(("zero",))
+
+    def reads(self):
+        return 0.25
+
+
+def test_windows_switch_zero_and_time():
+    arms = bt.plan_arms("MOIRA", "llama", 8192, 32, [0.98])
+    a = types.SimpleNamespace(settle=2, gen=5, breakdown=[], profile_steps=3,
+                              max_num_batched_tokens=1000, backend="MOIRA")  # fmt: skip
+    ctx = {"model": "m", "vocab": 1000, "num_layers": 2, "kv_capacity_tokens": 10**9,
+           "max_model_len": 10**6, "breakdown": []}  # fmt: skip
+    rows, sel = [], FakeSelector()
+    eng = FakeEngine(chunk=1000)
+    llm = types.SimpleNamespace()  # no _preprocess_cmpl_one: prompts go in as they are
+    bt.run_shape(eng, llm, a, ctx, sel, 300, 4, arms, lambda r: r and rows.append(r),
+                 np.random.default_rng(0))  # fmt: skip
+    assert [r["selector"] for r in rows] == ["coverage", "fixed"]
+    for r in rows:
+        bt.validate_tpot_row(r)
+        assert r["steps"] == 5 and r["tpot_ms"] > 0 and r["reads"] == 0.25
+        assert not r.get("incomplete")
+    assert sel.calls == [("apply", "coverage", None), ("zero",),
+                         ("apply", "fixed", 0.42), ("zero",)]  # fmt: skip
+    assert not eng.reqs  # aborted after the last window
+
+
+def test_skips_when_kv_does_not_fit():
+    arms = bt.plan_arms("FLASH_ATTN", None, 8192, 32, [0.98])
+    a = types.SimpleNamespace(settle=2, gen=5, breakdown=[], profile_steps=3,
+                              max_num_batched_tokens=1000, backend="FLASH_ATTN")  # fmt: skip
+    ctx = {"model": "m", "vocab": 1000, "num_layers": 2, "kv_capacity_tokens": 100,
+           "max_model_len": 10**6, "breakdown": []}  # fmt: skip
+    rows = []
+    bt.run_shape(FakeEngine(), types.SimpleNamespace(), a, ctx, FakeSelector(), 300, 4, arms,
+                 lambda r: r and rows.append(r), np.random.default_rng(0))  # fmt: skip
+    assert rows[0]["skipped"] == "kv capacity" and rows[0]["tpot_ms"] is None
