@@ -467,7 +467,7 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
     calls = {}
 
     def fake_decode(
-        query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale, config
+        query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale
     ):
         calls["decode"] = (query.shape, summaries.shape, block_table, seq_lens, workspace)
         output.fill_(1)

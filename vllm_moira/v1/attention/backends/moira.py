@@ -1520,6 +1520,10 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             self.moira_config,
             device,
         )
+        from vllm.v1.worker.moira_metrics import ReadStatsPoller
+
+        # Page-read fraction for logs and /metrics, polled without a host sync.
+        self.read_stats_poller = ReadStatsPoller(self.workspace.read_stats)
 
     def use_cascade_attention(self, *args: Any, **kwargs: Any) -> bool:
         # FA's cascade path would process every row, decode rows included.
@@ -1533,6 +1537,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
     ) -> MoiraMetadata:
         cam = common_attn_metadata
         nd, npf, ndt, npt = split_decodes_and_prefills(cam, decode_threshold=1)
+        self.read_stats_poller.poll()  # async D2H of read_stats; never waits for the GPU
         if nd > self.max_num_seqs:
             raise ValueError(f"MOIRA: {nd} decode rows exceed max_num_seqs={self.max_num_seqs}")
         prefill = None
