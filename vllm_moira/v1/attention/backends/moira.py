@@ -375,8 +375,8 @@ def estimate_page_logmass(
     num_rows, num_q_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[1]
     group_size = num_q_heads // num_kv_heads
-    max_pages = block_table.shape[1]
-    assert logmass.shape[-1] >= max_pages and logmass.shape[2] == group_size
+    max_pages = min(block_table.shape[1], logmass.shape[-1])
+    assert logmass.shape[2] == group_size
     grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, _ESTIMATE_TILE_PAGES))
     kernel_moira_estimate[grid](
         query,
@@ -961,12 +961,15 @@ def estimate_and_select(
     num_rows = query.shape[0]
     if num_rows == 0:
         return
-    max_pages = block_table.shape[1]
-    if max_pages > workspace.max_pages or num_rows > workspace.max_num_seqs:
+    if num_rows > workspace.max_num_seqs:
         raise ValueError(
-            f"Moira: {num_rows} rows of {max_pages} pages exceed the workspace "
+            f"Moira: {num_rows} rows exceed the workspace "
             f"({workspace.max_num_seqs} rows of {workspace.max_pages} pages)"
         )
+    # vLLM's block tables may carry spare columns past max_model_len; rows
+    # never reach them (seq_len <= max_model_len <= 64 * workspace.max_pages),
+    # so the grids cover only the pages the workspace was sized for.
+    max_pages = min(block_table.shape[1], workspace.max_pages)
     estimate_page_logmass(
         query, kv_cache, summaries, block_table, seq_lens, workspace.logmass, scale
     )
