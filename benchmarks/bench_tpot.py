@@ -282,18 +282,9 @@ class Selector:
         self.note = None
         if backend != "MOIRA":
             return
-        import gc
+        from vllm.v1.attention.backends import moira
 
-        from vllm.v1.attention.backends.moira import MoiraWorkspace
-
-        seen = {}
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, MoiraWorkspace):
-                    seen[id(obj)] = obj
-            except Exception:
-                continue
-        self.workspaces = list(seen.values())
+        self.workspaces = moira.live_workspaces()
         if not self.workspaces:
             self.note = "no MoiraWorkspace found in this process (is the engine in-process?)"
         elif not all(hasattr(ws, "set_selector") for ws in self.workspaces):

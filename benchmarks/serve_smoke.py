@@ -92,6 +92,12 @@ def main() -> int:
                 )
                 print("completion:", answers[-1], flush=True)
             record["completions"] = answers
+            time.sleep(12)  # one stats interval, so the frontend has exported the gauge
+            metrics = http_json(base + "/metrics")
+            record["moira_metrics"] = [
+                line for line in str(metrics).splitlines() if "moira" in line.lower()
+            ][:10]
+            print("moira metrics:", record["moira_metrics"], flush=True)
             record["ok"] = all(a["completion_tokens"] == 32 for a in answers)
         except Exception as error:  # recorded, and the exit code says it failed
             record["ok"] = False

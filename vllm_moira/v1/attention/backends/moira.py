@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -67,6 +68,8 @@ MOIRA_SELECTORS = ("coverage", "fixed")
 _ESTIMATE_TILE_PAGES = 64
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
+# Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
+_SELECT_SHORT_TILE_PAGES = 256
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
@@ -436,42 +439,24 @@ def _kept_share(
 
 
 @triton.jit
-def kernel_moira_select(
-    logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32
-    seq_lens_ptr,  # [num_rows] int32
-    pibar_ptr,  # [max_rows, num_kv_heads, max_pages] fp32 (scratch)
-    page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
-    read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
-    selector_ptr,  # [3] fp32: gamma, fixed pages K (0 = off), fixed fraction (0 = off)
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    stride_pib_row: tl.int64,
-    stride_pib_head: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
+def _select_row(
+    lm,  # this row's log-masses: [GROUP_SIZE, pages] at stride stride_lm_group
+    pib_ptr,  # this row's pibar scratch (used when NUM_TILES > 1)
+    out,  # this row's page list
+    count_ptr,
+    read_stats_ptr,
+    selector_ptr,
+    num_pages,
+    stride_lm_group,
     GROUP_SIZE: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
     TILE_PAGES: tl.constexpr,
     NUM_TILES: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    LANES: tl.constexpr,
 ):
-    # One program per (row, KV head). Writes the row's page list (logical
-    # page indices in page order, sink first, current page last) and its
-    # length, the only things Attend reads. The selector's parameters are
-    # read from device memory, so a captured graph follows set_selector().
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + row)
-    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    count_ptr = page_count_ptr + row * stride_pc_row + head
-    if num_pages == 0:
-        tl.store(count_ptr, 0)
-        return
-    lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
-    pib_ptr = pibar_ptr + row * stride_pib_row + head * stride_pib_head
+    # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
+    # LANES > 1 (one tile, K_B = LANES): the K_B - 1 thresholds of a pass are
+    # summed in one 2D reduction; LANES == 1: one reduction per threshold.
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
 
@@ -535,17 +520,34 @@ def kernel_moira_select(
     lo = 0.0
     for _ in range(passes):
         # Thresholds k = 1 .. K_B - 1 (k = 0 is lo itself, which holds).
-        # Each costs one reduction over the row, so only the row's own K_B
-        # are evaluated: that is why long rows use fewer, more passes.
         width = hi - lo
         new_lo = lo
         new_hi = hi
-        for k in range(1, kb):
-            tau = lo + width * k / kb
-            kept = _kept_share(pib_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES, NUM_TILES)
-            reached = kept >= target
-            new_lo = tl.where(reached, tl.maximum(new_lo, tau), new_lo)
-            new_hi = tl.where(reached, new_hi, tl.minimum(new_hi, tau))
+        if LANES > 1:
+            ks = tl.arange(0, LANES)
+            taus = lo + width * ks / kb
+            pages = tl.arange(0, TILE_PAGES)
+            middle = (pages > 0) & (pages < num_pages - 1)
+            weight = tl.where(by_count, 1.0, tile_pibar)
+            above = middle[:, None] & (tile_pibar[:, None] >= taus[None, :])
+            kept = tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
+            active = (ks >= 1) & (ks < kb)
+            reached = active & (kept >= target)
+            new_lo = tl.maximum(new_lo, tl.max(tl.where(reached, taus, float("-inf")), axis=0))
+            new_hi = tl.minimum(
+                new_hi, tl.min(tl.where(active & (kept < target), taus, float("inf")), axis=0)
+            )
+        else:
+            # One reduction over the row per threshold: that is why long rows
+            # use fewer thresholds (K_B) and more passes.
+            for k in range(1, kb):
+                tau = lo + width * k / kb
+                kept = _kept_share(
+                    pib_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES, NUM_TILES
+                )
+                reached = kept >= target
+                new_lo = tl.where(reached, tl.maximum(new_lo, tau), new_lo)
+                new_hi = tl.where(reached, new_hi, tl.minimum(new_hi, tau))
         lo = new_lo
         hi = new_hi
     # Special cases of Eq. 3: nothing more is needed (target <= 0), or every
@@ -555,7 +557,6 @@ def kernel_moira_select(
     lo = tl.where(keep_all, float("-inf"), lo)
 
     # Pass 4: compaction into the row's list, in page order.
-    out = page_list_ptr + row * stride_pl_row + head * stride_pl_head
     tl.store(out, 0)
     n_kept = 1
     for t in tl.static_range(NUM_TILES):
@@ -577,6 +578,65 @@ def kernel_moira_select(
     # per (row, KV head), read by the host only outside the decode step.
     tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64))  # type: ignore[attr-defined]
     tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
+
+
+@triton.jit
+def kernel_moira_select(
+    logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32
+    seq_lens_ptr,  # [num_rows] int32
+    pibar_ptr,  # [max_rows, num_kv_heads, max_pages] fp32 (scratch)
+    page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
+    page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
+    read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
+    selector_ptr,  # [3] fp32: gamma, fixed pages K (0 = off), fixed fraction (0 = off)
+    stride_lm_row: tl.int64,
+    stride_lm_head: tl.int64,
+    stride_lm_group: tl.int64,
+    stride_pib_row: tl.int64,
+    stride_pib_head: tl.int64,
+    stride_pl_row: tl.int64,
+    stride_pl_head: tl.int64,
+    stride_pc_row: tl.int64,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    TILE_PAGES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    SHORT_TILE_PAGES: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    # One program per (row, KV head). Writes the row's page list (logical
+    # page indices in page order, sink first, current page last) and its
+    # length, the only things Attend reads. The selector's parameters are
+    # read from device memory, so a captured graph follows set_selector().
+    # Rows of < 256 pages (K_B = 8) take a small register tile, so their cost
+    # does not grow with max_model_len; longer rows take the full tile.
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
+    count_ptr = page_count_ptr + row * stride_pc_row + head
+    if num_pages == 0:
+        tl.store(count_ptr, 0)
+        return
+    lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
+    pib_ptr = pibar_ptr + row * stride_pib_row + head * stride_pib_head
+    out = page_list_ptr + row * stride_pl_row + head * stride_pl_head
+    if SHORT_TILE_PAGES < TILE_PAGES:
+        if num_pages < SHORT_TILE_PAGES:
+            _select_row(
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
+                stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8,
+            )  # fmt: skip
+        else:
+            _select_row(
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
+                stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES, 1,
+            )  # fmt: skip
+    else:  # every row fits the short tile
+        _select_row(
+            lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
+            stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8,
+        )  # fmt: skip
 
 
 def select_pages(
@@ -622,6 +682,7 @@ def select_pages(
         GROUP_ROWS=triton.next_power_of_2(group_size),
         TILE_PAGES=tile_pages,
         NUM_TILES=num_tiles,
+        SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         num_warps=8 if tile_pages >= 1024 else 4,
     )
@@ -782,6 +843,16 @@ def kernel_moira_merge(
 # ==========================================================================
 # Decode-step entry points
 # ==========================================================================
+#: Every live MoiraWorkspace of this process (benchmarks switch selectors and
+#: read counters through it; weak, so it never keeps a workspace alive).
+_LIVE_WORKSPACES: weakref.WeakSet[MoiraWorkspace] = weakref.WeakSet()
+
+
+def live_workspaces() -> list[MoiraWorkspace]:
+    """The MoiraWorkspaces allocated in this process (one per metadata builder)."""
+    return list(_LIVE_WORKSPACES)
+
+
 class MoiraWorkspace:
     """Persistent buffers of the decode step, sized for the worst case.
 
@@ -844,6 +915,7 @@ class MoiraWorkspace:
         #: Select's parameters (gamma, K, fraction), read on the device so that
         #: set_selector() changes what captured graphs do.
         self.selector_params = torch.tensor(config.selector_values(), dtype=f32, device=device)
+        _LIVE_WORKSPACES.add(self)
 
     def set_selector(self, config: MoiraConfig) -> None:
         """Switch gamma / the selector in place (host -> device copy; call it
