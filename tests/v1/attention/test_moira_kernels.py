@@ -217,6 +217,27 @@ def test_select_fixed_fraction(fraction):
             assert count == max(min(n, 2), math.ceil(fraction * n))
 
 
+@pytest.mark.parametrize("max_pages", [40, 300])
+def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages):
+    """Flat attention (e.g. vLLM's dummy weights) gives every page the same
+    share. Fixed count must still keep exactly K pages: the most recent ones."""
+    seq_lens = [max_pages * PAGE, 20 * PAGE + 3]
+    logmass = torch.full((len(seq_lens), 2, 3, max_pages), 4.1588831)
+    logmass[1, 1, :, 5] += 2.0  # one page above the ties
+    config = moira.MoiraConfig(selector="fixed", fixed_pages=6)
+    ws = _run_select(logmass, seq_lens, config)
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        pibar = ref.group_mean_shares(logmass[row, :, :, :n])
+        for h in range(2):
+            expected = ref.select_pages(pibar[h], fixed_pages=6)
+            count = int(ws.page_count[row, h])
+            assert count == 6
+            assert ws.page_list[row, h, :count].tolist() == expected.tolist()
+    assert ws.page_list[0, 0, :6].tolist() == [0] + list(range(max_pages - 5, max_pages))
+    assert ws.page_list[1, 1, :6].tolist() == [0, 5, 17, 18, 19, 20]
+
+
 def test_set_selector_switches_in_place():
     """The selector lives in device memory: set_selector changes what the
     same launches (and so a captured graph) select, without reallocating."""

@@ -555,10 +555,31 @@ def _select_row(
     keep_all = tl.where(by_count, num_middle <= fixed_pages - 2.0, gamma >= 1.0)
     lo = tl.where(target <= 0.0, float("inf"), lo)
     lo = tl.where(keep_all, float("-inf"), lo)
+    # Fixed count keeps exactly K pages: the pages above the final interval
+    # [lo, hi], then, from the pages inside it (ties, e.g. the flat attention
+    # of dummy weights), the most recent ones. The coverage rule keeps every
+    # page >= lo (Eq. 3's threshold form keeps ties).
+    exact_count = tl.where(by_count, tl.abs(lo) < float("inf"), False)
+    n_skip = 0
+    if exact_count:
+        n_above = 0.0
+        n_band = 0.0
+        for t in tl.static_range(NUM_TILES):
+            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+            middle = (pages > 0) & (pages < last)
+            if NUM_TILES == 1:
+                pib = tile_pibar
+            else:
+                pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+            n_above += tl.sum((middle & (pib > hi)).to(tl.float32), axis=0)
+            n_band += tl.sum((middle & (pib >= lo) & (pib <= hi)).to(tl.float32), axis=0)
+        # Band pages to skip (the oldest ones) so that exactly K - 2 are kept.
+        n_skip = (n_band - (target - n_above)).to(tl.int32)
 
     # Pass 4: compaction into the row's list, in page order.
     tl.store(out, 0)
     n_kept = 1
+    band_seen = 0
     for t in tl.static_range(NUM_TILES):
         pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
         middle = (pages > 0) & (pages < last)
@@ -567,6 +588,10 @@ def _select_row(
         else:
             pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
         keep = middle & (pib >= lo)
+        band = tl.where(exact_count, keep & (pib <= hi), False)
+        band_rank = band_seen + tl.cumsum(band.to(tl.int32), axis=0)  # 1-based
+        keep = keep & ~(band & (band_rank <= n_skip))
+        band_seen += tl.sum(band.to(tl.int32), axis=0)
         slot = n_kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(out + slot, pages, mask=keep)
         n_kept += tl.sum(keep.to(tl.int32), axis=0)

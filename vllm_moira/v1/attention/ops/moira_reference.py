@@ -150,6 +150,22 @@ def _threshold_keep(middle: torch.Tensor, target: float, by_count: bool) -> torc
     return middle >= tau
 
 
+def _top_count_keep(middle: torch.Tensor, count: int) -> torch.Tensor:
+    """Mask of the ``count`` largest values; among equal values the most
+    recent (highest page index) pages win."""
+    keep = torch.zeros_like(middle, dtype=torch.bool)
+    if count <= 0:
+        return keep
+    if count >= middle.numel():
+        return ~keep
+    index = torch.arange(middle.numel(), dtype=torch.float64)
+    # Sort by value, then by recency: a stable sort on the index first.
+    by_recency = torch.argsort(index, descending=True)
+    order = by_recency[torch.sort(middle[by_recency], descending=True, stable=True)[1]]
+    keep[order[:count]] = True
+    return keep
+
+
 def select_pages(
     pibar: torch.Tensor,
     gamma: float = 0.98,
@@ -162,8 +178,9 @@ def select_pages(
     of the other pages, those with ``pibar >= tau`` where tau is the largest
     threshold whose kept share reaches ``gamma - pibar[sink] - pibar[cur]``.
     ``gamma >= 1`` keeps every page. Fixed-count mode (``fixed_pages=K``): the
-    K pages in total, sink and current included, with the largest shares;
-    ``fixed_fraction=f`` means K = ceil(f * n) for a row of n pages.
+    K pages in total, sink and current included, with the largest shares
+    (ties go to the most recent pages); ``fixed_fraction=f`` means
+    K = ceil(f * n) for a row of n pages.
     """
     n = pibar.numel()
     if fixed_fraction is not None:
@@ -173,7 +190,7 @@ def select_pages(
     pibar = pibar.float().cpu()
     middle = pibar[1 : n - 1].float()
     if fixed_pages is not None:
-        keep = _threshold_keep(middle, float(fixed_pages - 2), by_count=True)
+        keep = _top_count_keep(middle, fixed_pages - 2)
     elif gamma >= 1.0:
         keep = torch.ones_like(middle, dtype=torch.bool)
     else:
