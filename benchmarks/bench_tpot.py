@@ -48,6 +48,10 @@ import sys
 import time
 from pathlib import Path
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_kernel_spread import parse_shapes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_SHAPES = "8192x32,16384x32,32768x16,65536x8,130048x4"
@@ -75,17 +79,6 @@ FA3_MARKERS = ("flash", "fmha", "flashattn")
 # --------------------------------------------------------------------------
 # Pure helpers (CPU; unit-tested in tests/benchmarks/)
 # --------------------------------------------------------------------------
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """'130048x4,8192x32' -> [(context, batch), ...]."""
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if item:
-            context, batch = item.lower().split("x")
-            out.append((int(context), int(batch)))
-    return out
-
-
 def model_family(model: str) -> str | None:
     name = os.path.basename(os.path.normpath(model)).lower()
     for family in PAPER_FIXED_FRACTIONS:
