@@ -232,7 +232,10 @@ def test_config_from_env_values():
         ({"MOIRA_GAMMA": "high"}, r"MOIRA_GAMMA='high' is not a valid float"),
         ({"MOIRA_SELECTOR": "topk"}, r"selector must be one of"),
         ({"MOIRA_SELECTOR": "fixed"}, r"needs exactly one of fixed_pages"),
-        ({"MOIRA_FIXED_PAGES": "8"}, r"fixed_pages / fixed_fraction are only used with selector='fixed'"),
+        (
+            {"MOIRA_FIXED_PAGES": "8"},
+            r"fixed_pages / fixed_fraction are only used with selector='fixed'",
+        ),
         ({"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"}, r"fixed_pages"),
         ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"min_chunk_pages must be an integer >= 1"),
         ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
@@ -466,9 +469,7 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
 
     calls = {}
 
-    def fake_decode(
-        query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale
-    ):
+    def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale):
         calls["decode"] = (query.shape, summaries.shape, block_table, seq_lens, workspace)
         output.fill_(1)
 
