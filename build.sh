@@ -237,6 +237,38 @@ record_series() {
 N_APPLIED=0
 N_SKIPPED=0
 
+# created_files PATCHFILE: paths (relative to ROOTDIR) that the patch creates (--- /dev/null).
+created_files() {
+    awk '/^--- \/dev\/null/ { getline; sub(/^\+\+\+ b\//, ""); sub(/[ \t].*$/, ""); print }' "$1"
+}
+
+# apply_over_leftovers ROOTDIR PATCHFILE: a stock vLLM re-installed over a Moira build (pip
+# --force-reinstall, a re-extracted bundle) restores vLLM's files but leaves the files that
+# patches created, so such a patch neither applies nor reverses. If it applies once those
+# leftovers are set aside, apply it (it recreates them); otherwise put them back. 0 = applied.
+apply_over_leftovers() {
+    local dir="$1" file="$2" f aside
+    local -a moved=()
+    aside="$(mktemp -d "${TMPDIR:-/tmp}/moira-aside.XXXXXX")"
+    while IFS= read -r f; do
+        if [[ -n "${f}" && -f "${dir}/${f}" ]]; then
+            mkdir -p "${aside}/$(dirname "${f}")"
+            mv "${dir}/${f}" "${aside}/${f}"
+            moved+=("${f}")
+        fi
+    done < <(created_files "${file}")
+    if [[ ${#moved[@]} -gt 0 ]] && apply_tool "${dir}" "${file}" check >/dev/null 2>&1 &&
+        apply_tool "${dir}" "${file}" apply >/dev/null 2>&1; then
+        rm -rf "${aside}"
+        return 0
+    fi
+    for f in "${moved[@]}"; do
+        mv "${aside}/${f}" "${dir}/${f}"
+    done
+    rm -rf "${aside}"
+    return 1
+}
+
 # apply_series ROOTDIR  (ROOTDIR holds vllm/): idempotent.
 apply_series() {
     local dir="$1" name file out
@@ -259,6 +291,9 @@ apply_series() {
         elif apply_tool "${dir}" "${file}" check-reverse >/dev/null 2>&1; then
             log "patch ${name}: already applied, skipped"
             N_SKIPPED=$((N_SKIPPED + 1))
+        elif apply_over_leftovers "${dir}" "${file}"; then
+            log "patch ${name}: applied (over files left by an earlier build of a reinstalled vLLM)"
+            N_APPLIED=$((N_APPLIED + 1))
         else
             {
                 printf '%s\n' "----- ${name} does not apply to ${dir} (dry-run output) -----"

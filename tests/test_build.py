@@ -308,3 +308,24 @@ def test_build_follows_edited_series(fake_site: Path, tmp_path: Path):
     run_build("--target-vllm", str(fake_site), "--patches", str(pdir), check=True)
     assert (fake_site / "v1/attention/backends/registry.py").read_bytes() == stock_registry
     assert (fake_site / "moira_test_new.py").read_text() == "X = 2\n"
+
+
+def test_build_over_reinstalled_vllm_with_leftover_files(fake_site: Path, clean_src: Path):
+    """A stock vLLM re-installed over a Moira build (pip --force-reinstall, a re-extracted
+    bundle) restores vLLM's files but leaves the files that patches created: the build must
+    still apply the series and end with the same tree."""
+    created = [
+        line.split()[1][2:]
+        for p in (ROOT / "patches").glob("*.patch")
+        for prev, line in zip(p.read_text().splitlines(), p.read_text().splitlines()[1:])
+        if prev.startswith("--- /dev/null") and line.startswith("+++ b/")
+    ]
+    assert created, "the series creates no file: this test would not test anything"
+    run_build("--target-vllm", str(fake_site), check=True)
+    built = tree_digest(fake_site)
+    shutil.copytree(clean_src / "vllm", fake_site, dirs_exist_ok=True)
+    assert all((fake_site.parent / rel).exists() for rel in created)
+    again = run_build("--target-vllm", str(fake_site))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "over files left by an earlier build" in again.stdout
+    assert tree_digest(fake_site) == built
