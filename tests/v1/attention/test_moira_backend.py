@@ -416,7 +416,7 @@ def test_builder_mixed_batch_split(builder):
     assert md.decode_seq_lens.tolist() == [100, 200, 70]
     assert torch.equal(md.decode_block_table, cam.block_table_tensor[:3])
     assert md.workspace is builder.workspace
-    assert md.config.gamma == 0.98
+    assert md.workspace.config.gamma == 0.98
 
     p = md.prefill
     assert p is not None

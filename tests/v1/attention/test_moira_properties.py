@@ -30,7 +30,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.v1.attention.moira_test_utils import PAGE, make_kv_cache, shape_attention
+from tests.v1.attention.moira_test_utils import (
+    PAGE,
+    make_block_table,
+    make_kv_cache,
+    shape_attention,
+)
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
@@ -91,18 +96,6 @@ def make_cache(num_blocks, num_kv_heads, head_size, layout, variant, gen):
     return view
 
 
-def make_table(seq_lens, num_blocks, width, gen):
-    """Distinct shuffled blocks per row (block 0 = vLLM's null block, padding only)."""
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    start = 0
-    for row, seq_len in enumerate(seq_lens):
-        n = math.ceil(seq_len / PAGE)
-        table[row, :n] = perm[start : start + n].to(torch.int32)
-        start += n
-    return table
-
-
 def summarize_full_pages(kv, summaries, table, seq_lens):
     full = [
         int(table[r, p]) * PAGE + PAGE - 1 for r, s in enumerate(seq_lens) for p in range(s // PAGE)
@@ -146,7 +139,7 @@ def build(case):
     num_blocks = sum(math.ceil(s / PAGE) for s in seq_lens) + 3
     width = max(math.ceil(s / PAGE) for s in seq_lens) + case["slack_pages"]
     kv = make_cache(num_blocks, hkv, d, case["layout"], case["variant"], gen)
-    table = make_table(seq_lens, num_blocks, width, gen)
+    table = make_block_table(seq_lens, num_blocks, width, generator=gen)
     query = torch.randn(len(seq_lens), hkv * group, d, generator=gen).to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, case["pattern"], generator=gen)
     summaries = torch.zeros(num_blocks, hkv, 2, d, dtype=torch.bfloat16)

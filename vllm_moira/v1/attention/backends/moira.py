@@ -1502,12 +1502,10 @@ class MoiraMetadata:
     decode_seq_lens: torch.Tensor
     # [num_decodes, max_blocks] int32 kernel block ids.
     decode_block_table: torch.Tensor
-    # Slot mapping of all tokens (the summary write covers prefill pages too).
-    slot_mapping: torch.Tensor
     # FA metadata for the prefill rows only (sliced batch), None if none.
     prefill: FlashAttentionMetadata | None
+    # Persistent buffers and the selector (workspace.config, set_selector).
     workspace: MoiraWorkspace
-    config: MoiraConfig
 
 
 def slice_prefill_common_metadata(
@@ -1651,10 +1649,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             num_prefill_tokens=npt,
             decode_seq_lens=cam.seq_lens[:nd],
             decode_block_table=cam.block_table_tensor[:nd],
-            slot_mapping=cam.slot_mapping,
             prefill=prefill,
             workspace=self.workspace,
-            config=self.moira_config,
         )
 
 
