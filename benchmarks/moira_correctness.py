@@ -282,7 +282,65 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def time_case(case, kept_fraction=0.22, sweep_attend=False):
+def sweep_estimate_and_select(case, ws):
+    """Time Estimate and Select launch configurations (ESTIMATE_LAUNCH,
+    SELECT_LAUNCH) on this case; every Select configuration must give the same
+    page lists and counts as the default (checked, not assumed)."""
+    batch = case["query"].shape[0]
+
+    def estimate():
+        moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
+                                    case["seq"], ws.logmass, SCALE)  # fmt: skip
+
+    def select():
+        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+                           ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
+
+    out = {"estimate_sweep": [], "select_sweep": []}
+    default_estimate = dict(moira.ESTIMATE_LAUNCH)
+    estimate()
+    reference_logmass = ws.logmass[:batch].clone()
+    for tile_pages in (16, 32, 64, 128):
+        for warps in (2, 4, 8):
+            moira.ESTIMATE_LAUNCH.update(tile_pages=tile_pages, num_warps=warps)
+            ws.logmass[:batch].fill_(float("nan"))
+            estimate()
+            n = case["max_pages"]
+            same = torch.allclose(ws.logmass[:batch, ..., :n], reference_logmass[..., :n],
+                                  rtol=1e-5, atol=1e-4)  # fmt: skip
+            us = graph_time_us(estimate)
+            out["estimate_sweep"].append(
+                {"tile_pages": tile_pages, "num_warps": warps, "us": us, "matches_default": same}
+            )
+            print("estimate", tile_pages, warps, f"{us:.2f} us", same, flush=True)
+    moira.ESTIMATE_LAUNCH.clear()
+    moira.ESTIMATE_LAUNCH.update(default_estimate)
+    estimate()
+    default_select = dict(moira.SELECT_LAUNCH)
+    select()
+    reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
+    for lanes in (1, 2, 4, 8, 16):
+        for warps in (4, 8, 16):
+            moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
+            ws.page_count[:batch].fill_(-1)
+            select()
+            counts = ws.page_count[:batch]
+            same = bool(torch.equal(counts, reference_lists[1]))
+            if same:
+                width = int(counts.max())
+                same = bool(torch.equal(ws.page_list[:batch, :, :width],
+                                        reference_lists[0][:, :, :width]))  # fmt: skip
+            us = graph_time_us(select)
+            out["select_sweep"].append(
+                {"long_lanes": lanes, "long_num_warps": warps, "us": us, "same_lists": same}
+            )
+            print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
+    moira.SELECT_LAUNCH.clear()
+    moira.SELECT_LAUNCH.update(default_select)
+    return out
+
+
+def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_select=False):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     batch = case["query"].shape[0]
@@ -338,6 +396,8 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False):
             rows["attend_sweep"].append({"num_warps": warps, "num_stages": stages, "us": us})
         moira.ATTEND_LAUNCH.clear()
         moira.ATTEND_LAUNCH.update(default)
+    if sweep_estimate_select:
+        rows.update(sweep_estimate_and_select(case, ws))
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
     rows["attend_tbps"] = kept_bytes / (attend_us * 1e-6) / 1e12
     rows["moira_step_fixed_us"] = graph_time_us(
@@ -368,6 +428,8 @@ def main():
     parser.add_argument("--timing-json", help="timing sanity record")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--sweep-attend", action="store_true", help="time Attend launch configs")
+    parser.add_argument("--sweep-estimate-select", action="store_true",
+                        help="time Estimate and Select launch configs (lists checked)")  # fmt: skip
     args = parser.parse_args()
     command = "python " + " ".join(sys.argv)
     gpu = torch.cuda.get_device_name()
@@ -391,7 +453,14 @@ def main():
         print(shape, "layouts", entry["layouts"], flush=True)
         record["cases"].append(entry)
         if not args.skip_timing:
-            row = {"shape": shape, **time_case(case, sweep_attend=args.sweep_attend)}
+            row = {
+                "shape": shape,
+                **time_case(
+                    case,
+                    sweep_attend=args.sweep_attend,
+                    sweep_estimate_select=args.sweep_estimate_select,
+                ),
+            }
             row["attend_fraction_of_copy_bw"] = row["attend_tbps"] / timing["d2d_copy_tbps"]
             timing["rows"].append(row)
             print(shape, "timing", json.dumps(row), flush=True)

@@ -86,8 +86,12 @@ def test_write_summaries_matches_reference(layout, head_size):
         ("head_major", 8, 128, "diffuse"),
     ],
 )
-def test_estimate_matches_reference(layout, group, head_size, pattern):
-    seq_lens = [1, 64, 65, 300, 64 * 5]
+@pytest.mark.parametrize("tile_pages", [16, 64])
+def test_estimate_matches_reference(layout, group, head_size, pattern, tile_pages, monkeypatch):
+    # 16-page tiles: the sink, a middle tile and the current page fall in
+    # different programs; 64: one tile holds the whole row.
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
+    seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern)
     scale = head_size**-0.5
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
@@ -123,8 +127,16 @@ def _run_select(logmass, seq_lens, config):
     return ws
 
 
+@pytest.fixture(params=[1, 4, 8], ids=lambda lanes: f"long_lanes{lanes}")
+def long_lanes(request, monkeypatch):
+    """Both bisection forms for rows of >= 256 pages (one reduction per
+    threshold, and K_B thresholds per 2D reduction) must give the same lists."""
+    monkeypatch.setitem(moira.SELECT_LAUNCH, "long_lanes", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_select_lists_equal_reference_at_098(group):
+def test_select_lists_equal_reference_at_098(group, long_lanes):
     """Select's lists equal the float32 reference exactly, on 64 rows."""
     num_rows, num_kv_heads, max_pages = 16, 4, 300
     gen = torch.Generator().manual_seed(group)
@@ -146,7 +158,7 @@ def test_select_lists_equal_reference_at_098(group):
 
 
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.95, 0.99])
-def test_select_coverage_reaches_gamma_with_fewest_pages(gamma):
+def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
     num_rows, max_pages = 6, 200
     seq_lens = [max_pages * PAGE, 5000, 3 * PAGE, 64 * 77 + 5, 999, 64 * 150]
     logmass = _random_logmass(num_rows, 2, 3, max_pages, seed=7)
@@ -218,7 +230,7 @@ def test_select_fixed_fraction(fraction):
 
 
 @pytest.mark.parametrize("max_pages", [40, 300])
-def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages):
+def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages, long_lanes):
     """Flat attention (e.g. vLLM's dummy weights) gives every page the same
     share. Fixed count must still keep exactly K pages: the most recent ones."""
     seq_lens = [max_pages * PAGE, 20 * PAGE + 3]

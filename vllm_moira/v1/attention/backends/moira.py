@@ -64,12 +64,21 @@ MOIRA_SUPPORTED_HEAD_SIZES = (64, 128)
 MOIRA_MAX_GROUP_SIZE = 16
 MOIRA_SELECTORS = ("coverage", "fixed")
 
-# Pages per Estimate program ("each covering 64 pages", paper App. A).
-_ESTIMATE_TILE_PAGES = 64
+# Estimate's launch configuration: pages per summary program ("each covering
+# 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
+# --sweep-estimate-select measures alternatives.
+ESTIMATE_LAUNCH = {"tile_pages": 64, "num_warps": 4}
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
 _SELECT_SHORT_TILE_PAGES = 256
+# Select's launch configuration for rows that fit one register tile of more
+# than _SELECT_SHORT_TILE_PAGES pages. lanes = K_B thresholds tested per
+# bisection pass in one 2D reduction (24 / log2 K_B passes: every K_B ends on
+# the same 2^-24 grid of the search interval, so the threshold is the same);
+# lanes = 1 is Alg. 1's one reduction per threshold (K_B = 4 / 2).
+# benchmarks/moira_correctness.py --sweep-estimate-select measures these.
+SELECT_LAUNCH = {"long_lanes": 1, "long_num_warps": 8}
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
@@ -296,20 +305,27 @@ def kernel_moira_estimate(
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
 ):
-    # One program per (row, KV head, tile of TILE_PAGES pages); all G query
-    # heads at once on the tensor cores. Products of bf16 values are exact in
-    # the fp32 accumulator, so the mean term is fp32-exact up to summation
-    # order; (s q)^2 is split into two bf16 parts (hi + lo) so the spread
-    # term keeps ~16 significant bits.
+    # Programs (row, KV head, z). z < number of tiles: the summary estimate of
+    # TILE_PAGES pages, all G query heads at once on the tensor cores. The last
+    # two z compute the sink page and the current page exactly from the keys:
+    # separate programs, so that the exact pages (a 64-key read and a softmax)
+    # do not lengthen the critical path of the summary tiles. Products of bf16
+    # values are exact in the fp32 accumulator, so the mean term is fp32-exact
+    # up to summation order; (s q)^2 is split into two bf16 parts (hi + lo) so
+    # the spread term keeps ~16 significant bits.
     row = tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    z = tl.program_id(2)
+    num_tiles = tl.num_programs(2) - 2
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    if tile * TILE_PAGES >= num_pages:
+    last = num_pages - 1
+    # Idle programs: tiles past the row's end, and the current-page program of
+    # a one-page row (its current page is the sink page, z = num_tiles has it).
+    idle = (num_pages == 0) | ((z < num_tiles) & (z * TILE_PAGES >= num_pages))
+    idle = idle | ((z == num_tiles + 1) & (last == 0))
+    if idle:
         return
-    pages = tile * TILE_PAGES + tl.arange(0, TILE_PAGES)
-    mask_p = pages < num_pages
     offs_d = tl.arange(0, HEAD_SIZE)
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
@@ -321,47 +337,41 @@ def kernel_moira_estimate(
         mask=mask_g[:, None],
         other=0.0,
     )
-    blocks = tl.load(block_table_ptr + row * stride_bt_row + pages, mask=mask_p, other=0).to(
-        tl.int64
-    )
-    summary = summaries_ptr + blocks[:, None] * stride_sum_block + head * stride_sum_head
-    mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
-    var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    lm_row = logmass_ptr + row * stride_lm_row + head * stride_lm_head
+    if z < num_tiles:
+        pages = z * TILE_PAGES + tl.arange(0, TILE_PAGES)
+        # Page 0 and the current page belong to the exact programs.
+        mask_p = (pages > 0) & (pages < last)
+        blocks = tl.load(block_table_ptr + row * stride_bt_row + pages, mask=mask_p, other=0)
+        summary = (
+            summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
+        )
+        mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+        var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
 
-    # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
-    q_scaled = q.to(tl.float32) * scale
-    q_sq = q_scaled * q_scaled
-    q_sq_hi = q_sq.to(tl.bfloat16)
-    q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
-    est = tl.dot(mean, tl.trans(q)) * scale
-    est += 0.5 * (tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo)))
-    est += tl.log(PAGE_SIZE * 1.0)
-
-    # The sink page and the current page are computed exactly from the keys.
-    last = num_pages - 1
-    if tile == 0:
-        sink_block = tl.load(block_table_ptr + row * stride_bt_row).to(tl.int64)
+        # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
+        q_scaled = q.to(tl.float32) * scale
+        q_sq = q_scaled * q_scaled
+        q_sq_hi = q_sq.to(tl.bfloat16)
+        q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
+        est = tl.dot(mean, tl.trans(q)) * scale
+        est += 0.5 * (tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo)))
+        est += tl.log(PAGE_SIZE * 1.0)
+        tl.store(
+            lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
+            est,
+            mask=mask_p[:, None] & mask_g[None, :],
+        )
+    else:
+        # The sink page (z = num_tiles) or the current page, from the keys.
+        page = tl.where(z == num_tiles, 0, last)
+        block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
+        num_valid = tl.minimum(seq_len - page * PAGE_SIZE, PAGE_SIZE)
         exact = _exact_page_logmass(
-            q, scale, kv_cache_ptr, sink_block, head, tl.minimum(seq_len, PAGE_SIZE),
+            q, scale, kv_cache_ptr, block, head, num_valid,
             stride_kv_block, stride_kv_head, stride_kv_token, HEAD_SIZE, PAGE_SIZE,
         )  # fmt: skip
-        est = tl.where(pages[:, None] == 0, exact[None, :], est)
-    if last // TILE_PAGES == tile:
-        last_block = tl.load(block_table_ptr + row * stride_bt_row + last).to(tl.int64)
-        exact = _exact_page_logmass(
-            q, scale, kv_cache_ptr, last_block, head, seq_len - last * PAGE_SIZE,
-            stride_kv_block, stride_kv_head, stride_kv_token, HEAD_SIZE, PAGE_SIZE,
-        )  # fmt: skip
-        est = tl.where(pages[:, None] == last, exact[None, :], est)
-    tl.store(
-        logmass_ptr
-        + row * stride_lm_row
-        + head * stride_lm_head
-        + offs_g[None, :] * stride_lm_group
-        + pages[:, None],
-        est,
-        mask=mask_p[:, None] & mask_g[None, :],
-    )
+        tl.store(lm_row + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
 
 def estimate_page_logmass(
@@ -380,7 +390,9 @@ def estimate_page_logmass(
     group_size = num_q_heads // num_kv_heads
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, _ESTIMATE_TILE_PAGES))
+    tile_pages = ESTIMATE_LAUNCH["tile_pages"]
+    # Summary tiles, then the two exact-page programs (sink, current page).
+    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, tile_pages) + 2)
     kernel_moira_estimate[grid](
         query,
         kv_cache,
@@ -404,8 +416,8 @@ def estimate_page_logmass(
         GROUP_ROWS=_group_rows(group_size),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=_ESTIMATE_TILE_PAGES,
-        num_warps=4,
+        TILE_PAGES=tile_pages,
+        num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
 
@@ -453,10 +465,12 @@ def _select_row(
     TILE_PAGES: tl.constexpr,
     NUM_TILES: tl.constexpr,
     LANES: tl.constexpr,
+    LANE_PASSES: tl.constexpr,
 ):
     # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
-    # LANES > 1 (one tile, K_B = LANES): the K_B - 1 thresholds of a pass are
-    # summed in one 2D reduction; LANES == 1: one reduction per threshold.
+    # LANES > 1 (one tile, K_B = LANES, LANE_PASSES = 24 / log2 K_B): the
+    # K_B - 1 thresholds of a pass are summed in one 2D reduction; LANES == 1:
+    # one reduction per threshold, K_B = 8 / 4 / 2 by the row's length.
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
 
@@ -515,8 +529,12 @@ def _select_row(
     fixed_pages = tl.where(fixed_fraction > 0.0, tl.ceil(fixed_fraction * num_pages), fixed_pages)
     by_count = fixed_pages > 0.0
     target = tl.where(by_count, fixed_pages - 2.0, gamma - forced)
-    kb = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 4, 2))
-    passes = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 12, 24))
+    if LANES > 1:
+        kb = LANES
+        passes = LANE_PASSES
+    else:
+        kb = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 4, 2))
+        passes = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 12, 24))
     lo = 0.0
     for _ in range(passes):
         # Thresholds k = 1 .. K_B - 1 (k = 0 is lo itself, which holds).
@@ -627,6 +645,8 @@ def kernel_moira_select(
     TILE_PAGES: tl.constexpr,
     NUM_TILES: tl.constexpr,
     SHORT_TILE_PAGES: tl.constexpr,
+    LONG_LANES: tl.constexpr,
+    LONG_LANE_PASSES: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
     # One program per (row, KV head). Writes the row's page list (logical
@@ -634,7 +654,8 @@ def kernel_moira_select(
     # length, the only things Attend reads. The selector's parameters are
     # read from device memory, so a captured graph follows set_selector().
     # Rows of < 256 pages (K_B = 8) take a small register tile, so their cost
-    # does not grow with max_model_len; longer rows take the full tile.
+    # does not grow with max_model_len; longer rows take the full tile
+    # (LONG_LANES thresholds per pass; 1 when the row needs several tiles).
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -650,17 +671,18 @@ def kernel_moira_select(
         if num_pages < SHORT_TILE_PAGES:
             _select_row(
                 lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
-                stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8,
+                stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
             )  # fmt: skip
         else:
             _select_row(
                 lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
-                stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES, 1,
+                stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
+                LONG_LANES, LONG_LANE_PASSES,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
             lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
-            stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8,
+            stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
         )  # fmt: skip
 
 
@@ -687,6 +709,10 @@ def select_pages(
     tile_pages = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
     num_tiles = triton.cdiv(max_pages, tile_pages)
     assert pibar.shape[-1] >= num_tiles * tile_pages
+    # The 2D-lane bisection needs the whole row in one register tile.
+    long_lanes = SELECT_LAUNCH["long_lanes"] if num_tiles == 1 else 1
+    if long_lanes & (long_lanes - 1) or not 1 <= long_lanes <= 16:
+        raise ValueError(f"SELECT_LAUNCH['long_lanes'] must be 1, 2, 4, 8 or 16, got {long_lanes}")
     kernel_moira_select[(num_rows, num_kv_heads)](
         logmass,
         seq_lens,
@@ -708,8 +734,11 @@ def select_pages(
         TILE_PAGES=tile_pages,
         NUM_TILES=num_tiles,
         SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
+        LONG_LANES=long_lanes,
+        # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
+        LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        num_warps=8 if tile_pages >= 1024 else 4,
+        num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
     )
 
 
