@@ -78,7 +78,7 @@ _SELECT_SHORT_TILE_PAGES = 256
 # the same 2^-24 grid of the search interval, so the threshold is the same);
 # lanes = 1 is Alg. 1's one reduction per threshold (K_B = 4 / 2).
 # benchmarks/moira_correctness.py --sweep-estimate-select measures these.
-SELECT_LAUNCH = {"long_lanes": 1, "long_num_warps": 8}
+SELECT_LAUNCH = {"long_lanes": 4, "long_num_warps": 8}
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
@@ -305,25 +305,27 @@ def kernel_moira_estimate(
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
 ):
-    # Programs (row, KV head, z). z < number of tiles: the summary estimate of
-    # TILE_PAGES pages, all G query heads at once on the tensor cores. The last
-    # two z compute the sink page and the current page exactly from the keys:
-    # separate programs, so that the exact pages (a 64-key read and a softmax)
-    # do not lengthen the critical path of the summary tiles. Products of bf16
+    # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
+    # current page exactly from the keys: programs of their own, so that the
+    # exact pages (a 64-key read and a softmax) do not lengthen the critical
+    # path of the summary tiles, and first in launch order (z varies slowest),
+    # so that they do not run as a tail after the tiles. z >= 2: the summary
+    # estimate of TILE_PAGES pages, all G query heads at once on the tensor
+    # cores. Products of bf16
     # values are exact in the fp32 accumulator, so the mean term is fp32-exact
     # up to summation order; (s q)^2 is split into two bf16 parts (hi + lo) so
     # the spread term keeps ~16 significant bits.
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
-    num_tiles = tl.num_programs(2) - 2
+    tile = z - 2
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
     # Idle programs: tiles past the row's end, and the current-page program of
-    # a one-page row (its current page is the sink page, z = num_tiles has it).
-    idle = (num_pages == 0) | ((z < num_tiles) & (z * TILE_PAGES >= num_pages))
-    idle = idle | ((z == num_tiles + 1) & (last == 0))
+    # a one-page row (its current page is the sink page, z = 0 has it).
+    idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
+    idle = idle | ((z == 1) & (last == 0))
     if idle:
         return
     offs_d = tl.arange(0, HEAD_SIZE)
@@ -338,8 +340,8 @@ def kernel_moira_estimate(
         other=0.0,
     )
     lm_row = logmass_ptr + row * stride_lm_row + head * stride_lm_head
-    if z < num_tiles:
-        pages = z * TILE_PAGES + tl.arange(0, TILE_PAGES)
+    if z >= 2:
+        pages = tile * TILE_PAGES + tl.arange(0, TILE_PAGES)
         # Page 0 and the current page belong to the exact programs.
         mask_p = (pages > 0) & (pages < last)
         blocks = tl.load(block_table_ptr + row * stride_bt_row + pages, mask=mask_p, other=0)
@@ -363,8 +365,8 @@ def kernel_moira_estimate(
             mask=mask_p[:, None] & mask_g[None, :],
         )
     else:
-        # The sink page (z = num_tiles) or the current page, from the keys.
-        page = tl.where(z == num_tiles, 0, last)
+        # The sink page (z = 0) or the current page (z = 1), from the keys.
+        page = tl.where(z == 0, 0, last)
         block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
         num_valid = tl.minimum(seq_len - page * PAGE_SIZE, PAGE_SIZE)
         exact = _exact_page_logmass(
@@ -391,8 +393,8 @@ def estimate_page_logmass(
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
-    # Summary tiles, then the two exact-page programs (sink, current page).
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, tile_pages) + 2)
+    # The two exact-page programs (sink, current page), then the summary tiles.
+    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
         query,
         kv_cache,
