@@ -77,7 +77,7 @@ def pick_keys(pages, r, crit):
     return score.topk(r, dim=-1).indices
 
 
-def est_top(x, pages, r, crit, rest="rest", alpha=1.0):
+def est_top(x, pages, r, crit, rest="rest", alpha=1.0, cap=False):
     """Store r keys exactly + mean/var of the other 64 - r; logaddexp of the two parts."""
     h, n, _, d = pages.shape
     idx = pick_keys(pages, r, crit)
@@ -89,6 +89,11 @@ def est_top(x, pages, r, crit, rest="rest", alpha=1.0):
         mu = (pages * m).sum(2) / (P - r)
         var = (((pages - mu.unsqueeze(2)) * m) ** 2).sum(2) / (P - r)
         bulk = _mvar(x, mu, alpha * var, P - r)
+        if cap:  # spread term <= sum_d |x_d| max|k_d - mu_d| over the bulk keys
+            a = ((pages - mu.unsqueeze(2)).abs() * m).amax(2)
+            b = torch.einsum("hgd,hnd->hgn", x.abs(), a)
+            mean_t = torch.einsum("hgd,hnd->hgn", x, mu) + math.log(P - r)
+            bulk = torch.minimum(bulk, mean_t + b)
     else:  # "all": mvar over all 64 keys counted for the 64-r bulk
         mu, var = pages.mean(2), pages.var(2, unbiased=False)
         bulk = _mvar(x, mu, alpha * var, P - r)
@@ -196,7 +201,9 @@ def make_estimator_inner(name):
         r, crit = int(parts[1]), parts[2]
         rest = parts[3] if len(parts) > 3 else "rest"
         a = float(parts[4]) if len(parts) > 4 else 1.0
-        return lambda x, p: est_top(x, p, r, crit, rest, a)
+        cap = crit.endswith("+b")
+        crit = crit.removesuffix("+b")
+        return lambda x, p: est_top(x, p, r, crit, rest, a, cap)
     if kind == "topor":
         return lambda x, p: est_top_oracle(x, p, int(parts[1]))
     if kind == "km":
