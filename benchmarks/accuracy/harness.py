@@ -69,6 +69,16 @@ def page_summaries_ext(keys: torch.Tensor, n_full: int) -> torch.Tensor:
     return torch.stack([mean, var, pages.amin(2), pages.amax(2)], dim=2)
 
 
+def page_summaries_for(keys: torch.Tensor, n_full: int, estimator: str) -> torch.Tensor:
+    """Summaries an estimator reads: ``mvar_top{r}`` layout ``[n_full, H, 2 + r, D]``,
+    else the 4-slot ext layout (slots 0-1 = the paper's mean/var)."""
+    if estimator in ref.TOP_ESTIMATORS:
+        h, _, d = keys.shape
+        pages = keys[:, : n_full * PAGE].reshape(h, n_full, PAGE, d).permute(1, 0, 2, 3)
+        return ref.summarize_key_pages_top(pages, ref.TOP_ESTIMATORS[estimator])
+    return page_summaries_ext(keys, n_full)
+
+
 def estimate_logmass(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -89,12 +99,16 @@ def estimate_logmass(
     if estimator == "oracle" or n <= 2:
         return exact.clone(), exact
     if summaries is None:
-        summaries = page_summaries_ext(keys, seq_len // PAGE)
+        summaries = page_summaries_for(keys, seq_len // PAGE, estimator)
     summ = summaries[:n]
     if summ.shape[0] < n:  # current page partial: pad (overwritten below)
         summ = torch.cat([summ, summ[-1:].expand(n - summ.shape[0], -1, -1, -1)])
     if estimator == "mvar":
         est = ref.mvar_page_logmass(query, summ[:, :, :2], scale)
+    elif estimator == "mvar_rem":
+        est = ref.rem_page_logmass(query, summ[:, :, :2], scale)
+    elif estimator in ref.TOP_ESTIMATORS:
+        est = ref.top_page_logmass(query, summ, scale)
     elif ":" in estimator:
         est = _param_estimator(query, summ, scale, estimator)
     else:
@@ -206,7 +220,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     vals = value[0].float()
     summaries = None
     if st.selector.arm != "dense" and estimator_for(st.selector) != "oracle":
-        summaries = page_summaries_ext(keys, t_k // PAGE)
+        summaries = page_summaries_for(keys, t_k // PAGE, estimator_for(st.selector))
     out = out.clone()
     for i in range(k_rows):
         pos = t_k - k_rows + i

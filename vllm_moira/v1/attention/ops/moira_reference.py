@@ -106,17 +106,28 @@ def estimate_row_logmass(
     ``estimator="mvar"``: Eq. 2 from the stored summaries, with the sink page
     and the current page computed exactly (paper §3.1).
     ``estimator="oracle"``: exact masses of every page, for analysis.
+    ``"mvar_rem"`` (2-slot summary) and ``"mvar_top{1,2,4}"`` (``2 + r`` slots from
+    :func:`summarize_pages_top`): outlier-robust estimators of issue 10 (below).
     """
     keys, _ = row_keys_values(kv_cache, block_table_row, seq_len)
     exact = exact_page_logmass(query, keys, seq_len, scale)
     if estimator == "oracle":
         return exact
+    if estimator == "mvar_rem" or estimator in TOP_ESTIMATORS:  # issue 10
+        n = num_pages(seq_len)
+        est = outlier_page_logmass(query, summaries[block_table_row[:n].long()], scale, estimator)
+        est[..., 0] = exact[..., 0]
+        est[..., n - 1] = exact[..., n - 1]
+        return est
     if estimator in ROBUST_ESTIMATORS:  # issue 10: needs the 4-slot summary
         return _estimate_row_logmass_robust(
             query, summaries, block_table_row, seq_len, scale, estimator, exact
         )
     if estimator != "mvar":
-        raise ValueError(f"unknown estimator {estimator!r}; expected 'mvar' or 'oracle'")
+        raise ValueError(
+            f"unknown estimator {estimator!r}; expected 'mvar', 'oracle', 'mvar_rem', "
+            f"one of {sorted(TOP_ESTIMATORS)} or {ROBUST_ESTIMATORS}"
+        )
     n = num_pages(seq_len)
     est = mvar_page_logmass(query, summaries[block_table_row[:n].long()], scale)
     est[..., 0] = exact[..., 0]
@@ -421,3 +432,106 @@ def _estimate_row_logmass_robust(
     est[..., 0] = exact[..., 0]
     est[..., n - 1] = exact[..., n - 1]
     return est
+
+
+# --------------------------------------------------------------------------
+# Outlier-key estimators (issue 10, docs/estimator.md "mvar_top")
+# --------------------------------------------------------------------------
+# ``mvar_rem``: Eq. 2 with the spread term of the random energy model (REM): a
+# sample of ``m`` Gaussian logits of standard deviation sigma has log-mean-exp
+# ``sigma^2 / 2`` only while ``sigma <= sigma_c = sqrt(2 ln m)``; above, the
+# largest sample dominates and it grows linearly, ``sigma_c sigma - sigma_c^2 / 2``
+# (same value and slope at sigma_c). Same 2-slot summary as ``mvar``.
+#
+# ``mvar_top{r}``: the ``r`` keys of the page farthest (L2) from the page's mean
+# key are stored exactly; the other ``64 - r`` (the bulk) are summarised by
+# their mean and variance. Summary ``[num_blocks, H_kv, 2 + r, D]``:
+# slot 0 = bulk mean, slot 1 = bulk (population) variance, slots 2 .. 1 + r =
+# the stored keys (farthest first). Log-mass:
+# ``logaddexp(x.mu_b + rem(x^2.var_b; 64 - r) + log(64 - r), logsumexp_j x.k_j)``.
+TOP_ESTIMATORS = {"mvar_top1": 1, "mvar_top2": 2, "mvar_top4": 4}
+
+
+def summary_slots(estimator: str) -> int:
+    """Summary slots an estimator reads: 2 (mean, var), 4 (ext) or ``2 + r``."""
+    if estimator in TOP_ESTIMATORS:
+        return 2 + TOP_ESTIMATORS[estimator]
+    if estimator in ROBUST_ESTIMATORS:
+        return SUMMARY_SLOTS_EXT
+    return 2
+
+
+def rem_spread(v: torch.Tensor, count: int) -> torch.Tensor:
+    """Spread term of ``count`` logits of variance ``v``: ``v / 2`` below
+    ``sigma_c^2 = 2 ln(count)``, ``sigma_c sqrt(v) - sigma_c^2 / 2`` above."""
+    sc2 = 2.0 * math.log(count)
+    sc = math.sqrt(sc2)
+    return torch.where(v <= sc2, 0.5 * v, sc * v.clamp_min(0.0).sqrt() - 0.5 * sc2)
+
+
+def summarize_key_pages_top(pages: torch.Tensor, r: int) -> torch.Tensor:
+    """``mvar_top{r}`` summary of full pages of keys ``[..., 64, D]``: ``[..., 2 + r, D]`` fp32.
+
+    Stored keys: the ``r`` largest ``||k - mean||^2`` (ties: lower index first);
+    bulk mean/var over the remaining ``64 - r`` keys.
+    """
+    if not 0 < r < PAGE_SIZE:
+        raise ValueError(f"r must be in 1..{PAGE_SIZE - 1}, got {r}")
+    pages = pages.float()
+    mean = pages.mean(dim=-2, keepdim=True)
+    dist = ((pages - mean) ** 2).sum(dim=-1)  # [..., 64]
+    # stable descending order: ties keep the lower token index first
+    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+    top = torch.gather(pages, -2, order.unsqueeze(-1).expand(*order.shape, pages.shape[-1]))
+    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False).unsqueeze(-1)
+    m = bulk.float()
+    mu_b = (pages * m).sum(dim=-2) / (PAGE_SIZE - r)
+    var_b = (((pages - mu_b.unsqueeze(-2)) * m) ** 2).sum(dim=-2) / (PAGE_SIZE - r)
+    return torch.cat([mu_b.unsqueeze(-2), var_b.unsqueeze(-2), top], dim=-2)
+
+
+def summarize_pages_top(kv_cache: torch.Tensor, block_ids: torch.Tensor, r: int) -> torch.Tensor:
+    """``mvar_top{r}`` summaries of full pages of the cache: ``[n, H_kv, 2 + r, D]`` fp32."""
+    head_size = kv_cache.shape[-1] // 2
+    return summarize_key_pages_top(kv_cache[block_ids.long(), :, :, :head_size], r)
+
+
+def rem_page_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``mvar_rem``: ``x.mu + rem_spread(x^2.var, 64) + log 64``; ``[H_kv, G, n]``."""
+    h_kv = page_summaries.shape[1]
+    q = query.float().view(h_kv, -1, query.shape[-1]) * scale
+    mean_term = torch.einsum("hgd,nhd->hgn", q, page_summaries[:, :, 0].float())
+    v = torch.einsum("hgd,nhd->hgn", q * q, page_summaries[:, :, 1].float())
+    return mean_term + rem_spread(v, PAGE_SIZE) + math.log(PAGE_SIZE)
+
+
+def top_page_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``mvar_top{r}`` from a ``[n, H_kv, 2 + r, D]`` summary: ``[H_kv, G, n]``."""
+    h_kv = page_summaries.shape[1]
+    r = page_summaries.shape[2] - 2
+    count = PAGE_SIZE - r
+    q = query.float().view(h_kv, -1, query.shape[-1]) * scale  # [H, G, D]
+    summ = page_summaries.float()
+    mean_term = torch.einsum("hgd,nhd->hgn", q, summ[:, :, 0])
+    v = torch.einsum("hgd,nhd->hgn", q * q, summ[:, :, 1])
+    bulk = mean_term + rem_spread(v, count) + math.log(count)
+    stored = torch.einsum("hgd,nhrd->hgnr", q, summ[:, :, 2:])
+    return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
+
+
+def outlier_page_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float, estimator: str
+) -> torch.Tensor:
+    """Dispatch for ``mvar_rem`` and ``mvar_top{r}``; checks the summary's slot count."""
+    want = summary_slots(estimator)
+    if page_summaries.shape[2] != want:
+        raise ValueError(
+            f"estimator {estimator!r} needs a {want}-slot summary, got {page_summaries.shape[2]}"
+        )
+    if estimator == "mvar_rem":
+        return rem_page_logmass(query, page_summaries, scale)
+    return top_page_logmass(query, page_summaries, scale)
