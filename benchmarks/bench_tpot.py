@@ -251,6 +251,11 @@ def merge(paths: list[str], out: str) -> dict:
                 data["breakdown"] if isinstance(data["breakdown"], list) else [data["breakdown"]]
             ):
                 breakdown.append(b)
+    greedy = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if data.get("greedy"):
+            greedy[data.get("backend")] = data["greedy"]
     record = {
         "command": "python benchmarks/bench_tpot.py --merge " + " ".join(paths) + f" --out {out}",
         "gpu": ", ".join(sorted(gpus)),
@@ -259,6 +264,10 @@ def merge(paths: list[str], out: str) -> dict:
         "speedups": speedup_rows(rows),
         "breakdown": breakdown,
     }
+    if "FLASH_ATTN" in greedy and "MOIRA" in greedy:
+        record["greedy_moira_gamma1_vs_dense"] = compare_greedy(
+            greedy["FLASH_ATTN"], greedy["MOIRA"]
+        )
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -319,6 +328,91 @@ class Selector:
         kept = sum(int(ws.read_stats[0]) for ws in self.workspaces)
         total = sum(int(ws.read_stats[1]) for ws in self.workspaces)
         return kept / total if total else None
+
+
+class RpcSelector(Selector):
+    """Selector for workspaces in worker processes (tensor parallelism):
+    the same switches through LLM.collective_rpc on every rank; reads are
+    summed over the ranks (each rank selects for its own KV heads)."""
+
+    def __init__(self, backend: str, llm):
+        self.workspaces = []
+        self.note = None
+        self.llm = llm
+        self.ranks = 0
+        if backend != "MOIRA":
+            return
+        from vllm.v1.attention.backends import moira
+
+        self.moira = moira
+        counts = llm.collective_rpc(moira.rpc_read_stats, kwargs={"reset": True})
+        self.ranks = len(counts)
+
+    @property
+    def can_switch(self) -> bool:
+        return self.ranks > 0
+
+    def apply(self, arm: dict) -> None:
+        if arm["arm"] != "moira" or not self.can_switch:
+            return
+        if arm["selector"] == "fixed":
+            changes = dict(selector="fixed", fixed_pages=None, fixed_fraction=arm["fixed_fraction"])
+        else:
+            changes = dict(selector="coverage", gamma=arm["gamma"], fixed_pages=None,
+                           fixed_fraction=None)  # fmt: skip
+        changed = self.llm.collective_rpc(self.moira.rpc_set_selector, kwargs=changes)
+        if not all(changed):
+            raise RuntimeError(f"a rank has no Moira workspace: {changed}")
+
+    def zero(self) -> None:
+        if self.can_switch:
+            self.llm.collective_rpc(self.moira.rpc_read_stats, kwargs={"reset": True})
+
+    def reads(self) -> float | None:
+        if not self.can_switch:
+            return None
+        counts = self.llm.collective_rpc(self.moira.rpc_read_stats)
+        kept, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        return kept / total if total else None
+
+
+def greedy_check(llm, selector: Selector, a, vocab: int) -> dict:
+    """Greedy continuations of --greedy-check prompts (>= 8k random tokens
+    each), with top-2 logprobs per step; MOIRA runs at gamma=1 (every page),
+    so --merge can compare its tokens with FLASH_ATTN's."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    selector.apply({"arm": "moira", "selector": "coverage", "gamma": 1.0})
+    rng = np.random.default_rng(a.seed + 1)
+    lens = [8192 + 637 * i for i in range(a.greedy_check)]
+    prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=n).tolist()}
+               for n in lens]  # fmt: skip
+    sp = SamplingParams(max_tokens=a.greedy_tokens, min_tokens=a.greedy_tokens, ignore_eos=True,
+                        temperature=0.0, logprobs=2, detokenize=False)  # fmt: skip
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    rows = []
+    for n, o in zip(lens, outs):
+        c = o.outputs[0]
+        margins = []
+        for step in c.logprobs or []:
+            vals = sorted((lp.logprob for lp in step.values()), reverse=True)
+            margins.append(vals[0] - vals[1] if len(vals) > 1 else None)
+        rows.append({"prompt_len": n, "tokens": list(c.token_ids), "margins": margins})
+    return {"gamma": 1.0 if selector.can_switch else None, "prompts": rows}
+
+
+def compare_greedy(dense: dict, moira: dict) -> dict:
+    """Per prompt: equal token lists, else the first divergent step and the
+    dense top-1/top-2 margin there (a tiny margin is a tie under bf16)."""
+    out = []
+    for d, m in zip(dense["prompts"], moira["prompts"]):
+        first = next((i for i, (x, y) in enumerate(zip(d["tokens"], m["tokens"])) if x != y), None)
+        margin = None if first is None else d["margins"][first]
+        out.append({"prompt_len": d["prompt_len"], "tokens": len(d["tokens"]),
+                    "equal": d["tokens"] == m["tokens"], "first_divergence": first,
+                    "dense_margin_there": margin})  # fmt: skip
+    return {"prompts": out, "all_equal": all(p["equal"] for p in out) and bool(out)}
 
 
 def kernel_events(prof) -> list[tuple[str, float]]:
@@ -494,6 +588,21 @@ def main() -> int:
     ap.add_argument("--gpu-mem-util", type=float, default=0.92)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=0, help="skip shapes after this many s")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="TP ranks (> 1: selector switches and reads through collective_rpc)",
+    )
+    ap.add_argument(
+        "--greedy-check",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first: N prompts (>= 8k tokens) x --greedy-tokens greedy tokens "
+        "(MOIRA at gamma=1), compared with FLASH_ATTN by --merge",
+    )
+    ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", nargs="+", help="join result JSONs into --out (no GPU)")
     a = ap.parse_args()
@@ -514,6 +623,10 @@ def main() -> int:
     if a.batch1:
         shapes += [s for s in parse_shapes(BATCH1_SHAPES) if s not in shapes]
     a.breakdown = parse_shapes(a.breakdown) if a.breakdown else []
+    if a.breakdown and a.tensor_parallel_size > 1:
+        ap.error(
+            "--breakdown profiles this process's CUDA kernels: not with --tensor-parallel-size > 1"
+        )
     # profiled shapes last: a profiler failure cannot cost the other shapes
     shapes = [s for s in shapes if s not in a.breakdown] + [s for s in shapes if s in a.breakdown]
     gammas = [float(g) for g in a.gammas.split(",") if g.strip()]
@@ -525,6 +638,12 @@ def main() -> int:
 
     t_start = time.time()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # workspaces in-process
+    if a.tensor_parallel_size > 1:
+        # collective_rpc sends rpc_set_selector / rpc_read_stats (functions,
+        # pickled by reference) to the worker processes.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on this host
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.pop("VLLM_ATTENTION_BACKEND", None)
     import numpy as np
@@ -553,6 +672,7 @@ def main() -> int:
         model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         block_size=64, max_model_len=max_len, max_num_seqs=max(b for _, b in shapes),
         max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
+        tensor_parallel_size=a.tensor_parallel_size,
         gpu_memory_utilization=a.gpu_mem_util, seed=a.seed, attention_config=attn,
         compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
                             "cudagraph_capture_sizes": sizes},
@@ -583,9 +703,14 @@ def main() -> int:
                         "cudagraph_mode": str(eng.vllm_config.compilation_config.cudagraph_mode),
                         "max_model_len": max_len}  # fmt: skip
     print(f"engine ready: {record['engine']}", flush=True)
-    selector = Selector(a.backend)
+    if a.tensor_parallel_size > 1:
+        selector: Selector = RpcSelector(a.backend, llm)
+        record["engine"]["tensor_parallel_size"] = a.tensor_parallel_size
+    else:
+        selector = Selector(a.backend)
     if a.backend == "MOIRA":
         record["engine"]["moira_workspaces"] = len(selector.workspaces)
+        record["engine"]["moira_ranks"] = getattr(selector, "ranks", None)
         if selector.note:
             record["notes"].append(selector.note)
             print("WARNING:", selector.note, flush=True)
@@ -604,6 +729,14 @@ def main() -> int:
             print("ROW", json.dumps(row), flush=True)
         write()
 
+    if a.greedy_check:
+        t_greedy = time.time()
+        record["greedy"] = greedy_check(llm, selector, a, ctx["vocab"])
+        record["greedy"]["wall_s"] = round(time.time() - t_greedy, 1)
+        heads = [p["tokens"][:8] for p in record["greedy"]["prompts"]]
+        print("GREEDY", json.dumps({"wall_s": record["greedy"]["wall_s"], "tokens": heads}),
+              flush=True)  # fmt: skip
+        write()
     rng = np.random.default_rng(a.seed)
     for context, batch in shapes:
         arms = plans[(context, batch)]

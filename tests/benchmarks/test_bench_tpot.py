@@ -111,3 +111,29 @@ def test_merge_with_dense_baseline_format(tmp_path):
     assert sp["coverage"] == pytest.approx(19.32 / 7.3)
     assert sp["fixed"] == pytest.approx(19.32 / 7.0)
     assert rec["breakdown"] == moira["breakdown"]
+
+
+def test_merge_compares_greedy_outputs(tmp_path):
+    """--greedy-check files of both backends: equal lists pass, a divergence
+    is located with the dense margin at that step."""
+
+    def greedy(tokens_per_prompt):
+        return {"gamma": 1.0, "prompts": [
+            {"prompt_len": 8192 + i, "tokens": t, "margins": [0.5, 0.01, 0.3][: len(t)]}
+            for i, t in enumerate(tokens_per_prompt)]}  # fmt: skip
+
+    files = []
+    for backend, toks in (
+        ("FLASH_ATTN", [[1, 2, 3], [4, 5, 6]]),
+        ("MOIRA", [[1, 2, 3], [4, 9, 6]]),
+    ):
+        path = tmp_path / f"{backend}.json"
+        path.write_text(json.dumps({"backend": backend, "rows": [], "greedy": greedy(toks)}))
+        files.append(str(path))
+    rec = bt.merge(files, str(tmp_path / "out.json"))
+    cmp = rec["greedy_moira_gamma1_vs_dense"]
+    assert not cmp["all_equal"]
+    assert [p["equal"] for p in cmp["prompts"]] == [True, False]
+    assert cmp["prompts"][1]["first_divergence"] == 1
+    assert cmp["prompts"][1]["dense_margin_there"] == 0.01
+    assert bt.compare_greedy(greedy([[7]]), greedy([[7]]))["all_equal"]

@@ -275,6 +275,25 @@ def test_set_selector_switches_in_place():
         ws.set_selector(moira.MoiraConfig(min_chunk_pages=5))
 
 
+def test_rpc_controls_reach_every_live_workspace():
+    """collective_rpc entry points (tensor parallelism): switch the selector on
+    every workspace of the process and read / reset the summed read counters."""
+    workspaces = [
+        moira.MoiraWorkspace(2, 4, 2, 64, 8, moira.MoiraConfig(), "cpu") for _ in range(2)
+    ]
+    assert moira.rpc_set_selector(None, gamma=0.5) >= 2
+    for ws in workspaces:
+        assert ws.selector_params[0].item() == pytest.approx(0.5)
+        assert ws.config.gamma == 0.5
+    with pytest.raises(ValueError, match="gamma"):
+        moira.rpc_set_selector(None, gamma=1.5)
+    for k, ws in enumerate(workspaces):
+        ws.read_stats.copy_(torch.tensor([k + 1, 10]))
+    kept, total = moira.rpc_read_stats(None, reset=True)
+    assert kept >= 3 and total >= 20
+    assert all(ws.read_stats.tolist() == [0, 0] for ws in workspaces)
+
+
 def test_select_rows_longer_than_4096_pages():
     """Rows past one register tile (e.g. 256k contexts) loop over tiles."""
     max_pages = 4096 + 300

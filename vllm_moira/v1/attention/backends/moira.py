@@ -24,6 +24,7 @@ its launcher; the decode-step entry points; the vLLM backend.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import weakref
@@ -907,6 +908,40 @@ _LIVE_WORKSPACES: weakref.WeakSet[MoiraWorkspace] = weakref.WeakSet()
 def live_workspaces() -> list[MoiraWorkspace]:
     """The MoiraWorkspaces allocated in this process (one per metadata builder)."""
     return list(_LIVE_WORKSPACES)
+
+
+# Worker-side controls for ``LLM.collective_rpc``: with tensor parallelism (or
+# vLLM's multiprocess engine) the workspaces live in the worker processes, so
+# benchmarks and operators reach them through an RPC that runs on every rank.
+# Module-level functions, so they pickle by reference; the first argument is
+# the vLLM worker (unused).
+def rpc_set_selector(_worker: object, **changes: Any) -> int:
+    """``llm.collective_rpc(rpc_set_selector, kwargs={"gamma": 0.9})``: apply
+    ``dataclasses.replace(config, **changes)`` on every live workspace of the
+    rank (between steps; same rules as ``MoiraWorkspace.set_selector``).
+    Returns the number of workspaces changed."""
+    workspaces = live_workspaces()
+    for ws in workspaces:
+        ws.set_selector(dataclasses.replace(ws.config, **changes))
+    if any(ws.selector_params.is_cuda for ws in workspaces):
+        torch.cuda.synchronize()
+    return len(workspaces)
+
+
+def rpc_read_stats(_worker: object, reset: bool = False) -> list[int]:
+    """``llm.collective_rpc(rpc_read_stats)``: [pages kept, pages in the rows]
+    summed over the rank's workspaces since they were last reset (a host sync:
+    call it between steps). ``reset=True`` zeroes the counters after reading."""
+    kept = total = 0
+    workspaces = live_workspaces()
+    if any(ws.read_stats.is_cuda for ws in workspaces):
+        torch.cuda.synchronize()
+    for ws in workspaces:
+        kept += int(ws.read_stats[0])
+        total += int(ws.read_stats[1])
+        if reset:
+            ws.read_stats.zero_()
+    return [kept, total]
 
 
 class MoiraWorkspace:
