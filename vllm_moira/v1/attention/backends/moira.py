@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability
 from vllm.triton_utils import tl, triton
@@ -1161,6 +1162,9 @@ def moira_decode(
 # ==========================================================================
 logger = init_logger(__name__)
 
+#: SamplingParams.extra_args key of a request's own coverage gamma.
+MOIRA_GAMMA_EXTRA_ARG = "moira_gamma"
+
 #: Head sizes the Moira kernels are built and tested for.
 MOIRA_BACKEND_HEAD_SIZES: tuple[int, ...] = (64, 128)
 
@@ -1324,6 +1328,25 @@ class MoiraBackend(FlashAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[MoiraMetadataBuilder]:
         return MoiraMetadataBuilder
+
+    # A request's own coverage gamma (patch 0005): SamplingParams(extra_args=
+    # {"moira_gamma": 0.9}), or vllm_xargs over the OpenAI API. The runner
+    # hands each row's value to the builder; 0 (not set) means MOIRA_GAMMA.
+    @classmethod
+    def get_request_extras(cls) -> dict[str, float]:
+        return {MOIRA_GAMMA_EXTRA_ARG: 0.0}
+
+    @classmethod
+    def validate_request_extras(cls, extra_args: Mapping[str, Any]) -> None:
+        super().validate_request_extras(extra_args)  # a finite number
+        gamma = extra_args.get(MOIRA_GAMMA_EXTRA_ARG)
+        if gamma is not None and not 0.0 < gamma <= 1.0:
+            raise VLLMValidationError(
+                f"{MOIRA_GAMMA_EXTRA_ARG} must be in (0, 1] (1 keeps every page; "
+                f"omit it to use the server's MOIRA_GAMMA), got {gamma!r}",
+                parameter=MOIRA_GAMMA_EXTRA_ARG,
+                value=gamma,
+            )
 
     # Kernel pages are exactly 64 tokens (one summary per page). A manager
     # block that is a multiple of 64 is split into 64-token kernel blocks.
@@ -1586,6 +1609,9 @@ def slice_prefill_common_metadata(
         is_prefilling=rows(cam.is_prefilling),
         positions=None if cam.positions is None else cam.positions[ndt:],
         req_idx=None if cam.req_idx is None else cam.req_idx[nd : cam.num_reqs],
+        attn_request_extras=None
+        if cam.attn_request_extras is None
+        else {key: rows(values) for key, values in cam.attn_request_extras.items()},
         logits_indices_padded=None,
         num_logits_indices=None,
         _num_computed_tokens_cache=None,
@@ -1670,6 +1696,15 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.read_stats_poller.poll()  # async D2H of read_stats; never waits for the GPU
         if nd > self.max_num_seqs:
             raise ValueError(f"MOIRA: {nd} decode rows exceed max_num_seqs={self.max_num_seqs}")
+        # Each decode row's own gamma (its request's moira_gamma; 0 = server's):
+        # a device-to-device copy into the workspace's persistent buffer, which
+        # also resets the rows past the decode rows. build() runs eagerly every
+        # step, before a FULL graph replays, so the copy is never captured;
+        # Select reads the buffer inside the graph.
+        extras = cam.attn_request_extras
+        self.workspace.set_row_gamma(
+            None if extras is None else extras.get(MOIRA_GAMMA_EXTRA_ARG), nd
+        )
         prefill = None
         if npf > 0:
             prefill = super().build(0, slice_prefill_common_metadata(cam, nd, ndt), fast_build)
