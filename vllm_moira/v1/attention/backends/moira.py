@@ -690,8 +690,8 @@ def select_pages(
     ``selector_params`` is the fp32 ``[3]`` device tensor of
     ``MoiraWorkspace`` (gamma, K, fraction). ``row_gamma`` (fp32, at least
     ``num_rows``; ``MoiraWorkspace.row_gamma``) overrides gamma per row where
-    it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept and total page
-    counts of the rows to ``read_stats`` (int64 ``[2]``), so
+    it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept
+    and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
     ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
     was last zeroed.
     """
