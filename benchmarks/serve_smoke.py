@@ -7,6 +7,18 @@ Starts the server exactly as a user would (the environment variable, no
 backend and block size from the log, and stops the server. Writes a JSON record.
 
     python benchmarks/serve_smoke.py --out benchmarks/results/serve_smoke_h200.json
+
+Per-request gamma (``--gamma-check``, patch 0005): one long prompt (>= 8k tokens),
+greedy, 64 tokens, sent concurrently with ``vllm_xargs={"moira_gamma": 1.0}`` and
+``{"moira_gamma": 0.9}``; then each gamma alone, reading the gauge
+``vllm:moira_page_read_fraction`` after each phase (the server reports no per-request
+fraction; the gauge covers the last decode steps, i.e. only that request); and a
+``moira_gamma=1.5`` request, which must be refused with HTTP 400. With
+``--dense-output`` (this script's JSON from a ``--backend FLASH_ATTN --gamma-check``
+run, or a text file) it records whether the gamma=1 output equals the dense one:
+
+    python benchmarks/serve_smoke.py --backend FLASH_ATTN --gamma-check --out dense.json
+    python benchmarks/serve_smoke.py --gamma-check --dense-output dense.json --out moira.json
 """
 
 from __future__ import annotations
@@ -19,8 +31,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+#: Gauge exported by patch 0004 for Moira's page-read fraction.
+READ_FRACTION_GAUGE = "vllm:moira_page_read_fraction"
+#: Tokens generated per request in the gamma check.
+GAMMA_CHECK_TOKENS = 64
+#: The long prompt must exceed this many tokens (prompt_tokens from the server).
+GAMMA_CHECK_MIN_PROMPT_TOKENS = 8192
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 120.0):
@@ -31,7 +52,119 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 120.0):
     return json.loads(body) if body.strip().startswith(("{", "[")) else body
 
 
-def main() -> int:
+def http_status(url: str, payload: dict, timeout: float = 120.0) -> tuple[int, str]:
+    """POST ``payload``; (HTTP status, body) also for error statuses."""
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+def long_prompt(num_facts: int) -> str:
+    """A deterministic prompt of numbered, distinct sentences (about 14 tokens
+    each with Llama-style tokenizers), so attention is not trivially uniform."""
+    facts = (f"Fact {i}: the code of item {i} is {(i * 7919) % 10007}." for i in range(num_facts))
+    return " ".join(facts) + " Question: what is the code of item 17? Answer:"
+
+
+def read_gauge(metrics_text: str, name: str = READ_FRACTION_GAUGE) -> float | None:
+    """The value of a Prometheus gauge (first sample), or None if absent."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)$", re.M)
+    match = pattern.search(metrics_text)
+    return float(match.group(1)) if match else None
+
+
+def load_dense_text(path: str) -> str:
+    """The dense (FLASH_ATTN) output: this script's JSON record of a
+    ``--backend FLASH_ATTN --gamma-check`` run, or a plain text file."""
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        return json.loads(text)["gamma_check"]["dense_text"]
+    return text
+
+
+def complete(base: str, model: str, prompt: str, gamma: float | None) -> dict:
+    payload: dict = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": GAMMA_CHECK_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if gamma is not None:
+        payload["vllm_xargs"] = {"moira_gamma": gamma}
+    reply = http_json(base + "/v1/completions", payload, timeout=600.0)
+    return {
+        "gamma": gamma,
+        "prompt_tokens": reply["usage"]["prompt_tokens"],
+        "completion_tokens": reply["usage"]["completion_tokens"],
+        "text": reply["choices"][0]["text"],
+    }
+
+
+def gamma_check(base: str, args: argparse.Namespace) -> dict:
+    """Per-request gamma on a running server (see the module docstring)."""
+    prompt = long_prompt(args.gamma_prompt_facts)
+    if args.backend != "MOIRA":
+        # Dense reference: the same prompt and sampling, no moira_gamma.
+        dense = complete(base, args.model, prompt, None)
+        ok = dense["completion_tokens"] == GAMMA_CHECK_TOKENS
+        return {"dense_text": dense["text"], "dense": dense, "ok": ok}
+
+    gammas = args.gamma_values
+    result: dict = {"gammas": gammas}
+    # Phase 1: the gammas in one batch (concurrent requests).
+    with ThreadPoolExecutor(len(gammas)) as pool:
+        together = list(pool.map(lambda g: complete(base, args.model, prompt, g), gammas))
+    result["concurrent"] = together
+    # Phase 2: each gamma alone; the gauge then covers only that request's steps.
+    alone = []
+    for gamma in gammas:
+        reply = complete(base, args.model, prompt, gamma)
+        time.sleep(args.gauge_settle_s)
+        reply["read_fraction_after"] = read_gauge(str(http_json(base + "/metrics")))
+        alone.append(reply)
+    result["sequential"] = alone
+    # An out-of-range gamma is a client error, refused before scheduling.
+    status, body = http_status(
+        base + "/v1/completions",
+        {"model": args.model, "prompt": "hi", "max_tokens": 4, "vllm_xargs": {"moira_gamma": 1.5}},
+    )
+    result["invalid_gamma"] = {"status": status, "body": body[:500]}
+
+    fractions = {r["gamma"]: r["read_fraction_after"] for r in alone}
+    checks = {
+        "prompt_long_enough": all(
+            r["prompt_tokens"] >= GAMMA_CHECK_MIN_PROMPT_TOKENS for r in together
+        ),
+        "all_tokens_generated": all(
+            r["completion_tokens"] == GAMMA_CHECK_TOKENS for r in together + alone
+        ),
+        "invalid_gamma_is_400": status == 400 and "moira_gamma" in body,
+        # Same request alone or batched with another gamma: same greedy text.
+        "batch_independent": [r["text"] for r in together] == [r["text"] for r in alone],
+    }
+    if 1.0 in fractions and fractions[1.0] is not None:
+        checks["gamma_1_reads_every_page"] = fractions[1.0] >= 0.999
+        sparse = [f for g, f in fractions.items() if g < 1.0 and f is not None]
+        checks["smaller_gamma_reads_less"] = bool(sparse) and max(sparse) < fractions[1.0]
+    if args.dense_output:
+        dense_text = load_dense_text(args.dense_output)
+        gamma_1 = [r["text"] for r in together if r["gamma"] == 1.0]
+        result["dense_text"] = dense_text
+        checks["gamma_1_equals_dense"] = bool(gamma_1) and all(t == dense_text for t in gamma_1)
+    result["checks"] = checks
+    # batch_independent is informative: bf16 split-KV results may legitimately
+    # differ between batch shapes. Every other check must hold.
+    result["ok"] = all(v for k, v in checks.items() if k != "batch_independent")
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="shared/gpu/models/Llama-3.1-8B")
     parser.add_argument("--tokenizer", default="shared/gpu/models/tokenizer-smollm2")
@@ -40,17 +173,54 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=400.0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--log", default=None, help="server log path (default: next to --out)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--backend",
+        default="MOIRA",
+        type=str.upper,
+        help="VLLM_ATTENTION_BACKEND of the server (FLASH_ATTN for the dense reference)",
+    )
+    parser.add_argument(
+        "--gamma-check", action="store_true", help="also run the per-request gamma check"
+    )
+    parser.add_argument(
+        "--gamma-values",
+        default=[1.0, 0.9],
+        type=lambda text: [float(v) for v in text.split(",")],
+        help="comma-separated moira_gamma values sent together (default: 1.0,0.9)",
+    )
+    parser.add_argument(
+        "--gamma-prompt-facts",
+        type=int,
+        default=600,
+        help="sentences in the long prompt (600: about 12k SmolLM2 or 8.4k Llama-3 tokens; "
+        "the check requires >= 8192 prompt tokens)",
+    )
+    parser.add_argument(
+        "--gauge-settle-s",
+        type=float,
+        default=2.0,
+        help="wait after a request before reading the read-fraction gauge",
+    )
+    parser.add_argument(
+        "--dense-output",
+        default=None,
+        help="dense output to compare the gamma=1 text with (JSON of a FLASH_ATTN run, or text)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     log_path = Path(args.log or Path(args.out).with_suffix(".log"))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, VLLM_ATTENTION_BACKEND="MOIRA")
+    env = dict(os.environ, VLLM_ATTENTION_BACKEND=args.backend)
     command = [
         "vllm", "serve", args.model, "--load-format", "dummy", "--tokenizer", args.tokenizer,
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", "32",
         "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
-    record: dict = {"command": "VLLM_ATTENTION_BACKEND=MOIRA " + " ".join(command)}
+    record: dict = {"command": f"VLLM_ATTENTION_BACKEND={args.backend} " + " ".join(command)}
     base = f"http://127.0.0.1:{args.port}"
     start = time.time()
     with open(log_path, "w") as log:
@@ -99,6 +269,10 @@ def main() -> int:
             ][:10]
             print("moira metrics:", record["moira_metrics"], flush=True)
             record["ok"] = all(a["completion_tokens"] == 32 for a in answers)
+            if args.gamma_check:
+                record["gamma_check"] = gamma_check(base, args)
+                print("gamma check:", record["gamma_check"].get("checks"), flush=True)
+                record["ok"] = record["ok"] and record["gamma_check"]["ok"]
         except Exception as error:  # recorded, and the exit code says it failed
             record["ok"] = False
             record["error"] = repr(error)

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability
 from vllm.triton_utils import tl, triton
@@ -461,6 +462,7 @@ def _select_row(
     count_ptr,
     read_stats_ptr,
     selector_ptr,
+    gamma,  # this row's coverage target (its request's, else the server's)
     num_pages,
     stride_lm_group,
     GROUP_SIZE: tl.constexpr,
@@ -524,7 +526,6 @@ def _select_row(
     # rows of < 256 / 1024 / more pages; 24 / log2(K_B) passes shrink the
     # interval 2^24-fold. lo always satisfies the target (or is the start, 0).
     num_middle = tl.maximum(num_pages - 2, 0)
-    gamma = tl.load(selector_ptr)
     fixed_pages = tl.load(selector_ptr + 1)
     fixed_fraction = tl.load(selector_ptr + 2)
     # Fixed-count mode: K pages per row in total, sink and current included;
@@ -635,6 +636,7 @@ def kernel_moira_select(
     page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
     read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
     selector_ptr,  # [3] fp32: gamma, fixed pages K (0 = off), fixed fraction (0 = off)
+    row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
     stride_lm_row: tl.int64,
     stride_lm_head: tl.int64,
     stride_lm_group: tl.int64,
@@ -651,6 +653,7 @@ def kernel_moira_select(
     LONG_LANES: tl.constexpr,
     LONG_LANE_PASSES: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    HAS_ROW_GAMMA: tl.constexpr,
 ):
     # One program per (row, KV head). Writes the row's page list (logical
     # page indices in page order, sink first, current page last) and its
@@ -667,24 +670,30 @@ def kernel_moira_select(
     if num_pages == 0:
         tl.store(count_ptr, 0)
         return
+    # A request's own gamma (moira_gamma) wins over the server's; 0 means
+    # the request did not set one. Fixed-count mode never reads gamma.
+    gamma = tl.load(selector_ptr)
+    if HAS_ROW_GAMMA:
+        row_gamma = tl.load(row_gamma_ptr + row)
+        gamma = tl.where(row_gamma > 0.0, row_gamma, gamma)
     lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     pib_ptr = pibar_ptr + row * stride_pib_row + head * stride_pib_head
     out = page_list_ptr + row * stride_pl_row + head * stride_pl_head
     if SHORT_TILE_PAGES < TILE_PAGES:
         if num_pages < SHORT_TILE_PAGES:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, gamma, num_pages,
                 stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
             )  # fmt: skip
         else:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, gamma, num_pages,
                 stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
                 LONG_LANES, LONG_LANE_PASSES,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, num_pages,
+            lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, gamma, num_pages,
             stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
         )  # fmt: skip
 
@@ -699,12 +708,15 @@ def select_pages(
     num_rows: int,
     max_pages: int,
     read_stats: torch.Tensor,
+    row_gamma: torch.Tensor | None = None,
 ) -> None:
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
     ``selector_params`` is the fp32 ``[3]`` device tensor of
-    ``MoiraWorkspace`` (gamma, K, fraction). Adds the kept and total page
-    counts of the rows to ``read_stats`` (int64 ``[2]``), so
+    ``MoiraWorkspace`` (gamma, K, fraction). ``row_gamma`` (fp32, at least
+    ``num_rows``; ``MoiraWorkspace.row_gamma``) overrides gamma per row where
+    it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept
+    and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
     ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
     was last zeroed.
     """
@@ -724,6 +736,8 @@ def select_pages(
         page_count,
         read_stats,
         selector_params,
+        # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
+        selector_params if row_gamma is None else row_gamma,
         logmass.stride(0),
         logmass.stride(1),
         logmass.stride(2),
@@ -741,6 +755,7 @@ def select_pages(
         # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
         LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
         PAGE_SIZE=MOIRA_PAGE_SIZE,
+        HAS_ROW_GAMMA=row_gamma is not None,
         num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
     )
 
@@ -1006,6 +1021,11 @@ class MoiraWorkspace:
         #: Select's parameters (gamma, K, fraction), read on the device so that
         #: set_selector() changes what captured graphs do.
         self.selector_params = torch.tensor(config.selector_values(), dtype=f32, device=device)
+        #: Per-row gamma of the decode rows (a request's moira_gamma); 0 means
+        #: the server's gamma (selector_params[0]). The builder rewrites it
+        #: every step (set_row_gamma), outside the captured graph, and Select
+        #: reads it on the device, so FULL graphs replay with each step's values.
+        self.row_gamma = torch.zeros(max_num_seqs, dtype=f32, device=device)
         _LIVE_WORKSPACES.add(self)
 
     def set_selector(self, config: MoiraConfig) -> None:
@@ -1019,6 +1039,17 @@ class MoiraWorkspace:
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
         self.config = config
 
+    def set_row_gamma(self, values: torch.Tensor | None, num_rows: int) -> None:
+        """Load rows ``[:num_rows]`` of ``row_gamma`` from ``values`` (fp32 on
+        the workspace's device; rows past ``values`` get 0) and reset every
+        later row to 0, the server's gamma. Device-side copy and fill only: no
+        host sync, no allocation, fixed addresses."""
+        num_given = 0 if values is None else min(num_rows, values.shape[0], self.max_num_seqs)
+        if num_given > 0:
+            assert values is not None
+            self.row_gamma[:num_given].copy_(values[:num_given], non_blocking=True)
+        self.row_gamma[num_given:].zero_()
+
     def nbytes(self) -> int:
         tensors = (
             self.logmass,
@@ -1029,6 +1060,7 @@ class MoiraWorkspace:
             self.partial_lse,
             self.read_stats,
             self.selector_params,
+            self.row_gamma,
         )
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -1146,6 +1178,7 @@ def estimate_and_select(
         num_rows,
         max_pages,
         workspace.read_stats,
+        row_gamma=workspace.row_gamma,
     )
 
 
@@ -1194,6 +1227,9 @@ def moira_decode(
 # nothing to attend to, so it must not be handed zero-length decode rows).
 # ==========================================================================
 logger = init_logger(__name__)
+
+#: SamplingParams.extra_args key of a request's own coverage gamma.
+MOIRA_GAMMA_EXTRA_ARG = "moira_gamma"
 
 #: Head sizes the Moira kernels are built and tested for.
 MOIRA_BACKEND_HEAD_SIZES: tuple[int, ...] = (64, 128)
@@ -1358,6 +1394,25 @@ class MoiraBackend(FlashAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[MoiraMetadataBuilder]:
         return MoiraMetadataBuilder
+
+    # A request's own coverage gamma (patch 0005): SamplingParams(extra_args=
+    # {"moira_gamma": 0.9}), or vllm_xargs over the OpenAI API. The runner
+    # hands each row's value to the builder; 0 (not set) means MOIRA_GAMMA.
+    @classmethod
+    def get_request_extras(cls) -> dict[str, float]:
+        return {MOIRA_GAMMA_EXTRA_ARG: 0.0}
+
+    @classmethod
+    def validate_request_extras(cls, extra_args: Mapping[str, Any]) -> None:
+        super().validate_request_extras(extra_args)  # a finite number
+        gamma = extra_args.get(MOIRA_GAMMA_EXTRA_ARG)
+        if gamma is not None and not 0.0 < gamma <= 1.0:
+            raise VLLMValidationError(
+                f"{MOIRA_GAMMA_EXTRA_ARG} must be in (0, 1] (1 keeps every page; "
+                f"omit it to use the server's MOIRA_GAMMA), got {gamma!r}",
+                parameter=MOIRA_GAMMA_EXTRA_ARG,
+                value=gamma,
+            )
 
     # Kernel pages are exactly 64 tokens (one summary per page). A manager
     # block that is a multiple of 64 is split into 64-token kernel blocks.
@@ -1620,6 +1675,9 @@ def slice_prefill_common_metadata(
         is_prefilling=rows(cam.is_prefilling),
         positions=None if cam.positions is None else cam.positions[ndt:],
         req_idx=None if cam.req_idx is None else cam.req_idx[nd : cam.num_reqs],
+        attn_request_extras=None
+        if cam.attn_request_extras is None
+        else {key: rows(values) for key, values in cam.attn_request_extras.items()},
         logits_indices_padded=None,
         num_logits_indices=None,
         _num_computed_tokens_cache=None,
@@ -1704,6 +1762,15 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.read_stats_poller.poll()  # async D2H of read_stats; never waits for the GPU
         if nd > self.max_num_seqs:
             raise ValueError(f"MOIRA: {nd} decode rows exceed max_num_seqs={self.max_num_seqs}")
+        # Each decode row's own gamma (its request's moira_gamma; 0 = server's):
+        # a device-to-device copy into the workspace's persistent buffer, which
+        # also resets the rows past the decode rows. build() runs eagerly every
+        # step, before a FULL graph replays, so the copy is never captured;
+        # Select reads the buffer inside the graph.
+        extras = cam.attn_request_extras
+        self.workspace.set_row_gamma(
+            None if extras is None else extras.get(MOIRA_GAMMA_EXTRA_ARG), nd
+        )
         prefill = None
         if npf > 0:
             prefill = super().build(0, slice_prefill_common_metadata(cam, nd, ndt), fast_build)

@@ -19,6 +19,7 @@ Conventions shared with the kernels:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -263,13 +264,19 @@ def sparse_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    gamma: float = 0.98,
+    gamma: float | Sequence[float] = 0.98,
     fixed_pages: int | None = None,
     estimator: str = "mvar",
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """Moira's decode step for ``B`` rows: output ``[B, H_q, D]`` fp32 and the
-    page list of every (row, KV head). Rows with ``seq_len == 0`` give zeros."""
+    page list of every (row, KV head). Rows with ``seq_len == 0`` give zeros.
+
+    ``gamma`` is one value for every row, or one per row (requests with their
+    own ``moira_gamma`` in one batch)."""
     batch, h_q, head_size = query.shape
+    row_gammas = [gamma] * batch if isinstance(gamma, (int, float)) else list(gamma)
+    if len(row_gammas) != batch:
+        raise ValueError(f"gamma has {len(row_gammas)} values for {batch} rows")
     h_kv = kv_cache.shape[1]
     out = torch.zeros(batch, h_q, head_size, device=query.device)
     lists: list[list[torch.Tensor]] = []
@@ -282,7 +289,7 @@ def sparse_decode(
             query[b], kv_cache, summaries, block_table[b], seq_len, scale, estimator
         )
         pibar = group_mean_shares(logmass)
-        row_lists = [select_pages(pibar[h], gamma, fixed_pages) for h in range(h_kv)]
+        row_lists = [select_pages(pibar[h], row_gammas[b], fixed_pages) for h in range(h_kv)]
         keys, values = row_keys_values(kv_cache, block_table[b], seq_len)
         out[b] = attend_pages(query[b], keys, values, row_lists, seq_len, scale)[0]
         lists.append(row_lists)
