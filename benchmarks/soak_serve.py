@@ -184,6 +184,9 @@ def run_phase(name, args, workload, deadline, record, save) -> dict:
             save()
             run_workload(name, args, workload, base, deadline - 20, phase, save)
             phase["metrics_after"] = scrape_metrics(base)
+            if args.gamma_check and time.time() < deadline - 60:
+                phase["gamma_check"] = run_gamma_check(name, base, args)
+                save()
             for key in METRICS:
                 before = phase["metrics_before"].get(key, 0.0)
                 after = phase["metrics_after"].get(key)
@@ -275,6 +278,38 @@ def run_workload(name, args, workload, base, deadline, phase, save) -> None:
 # --------------------------------------------------------------------------
 # Comparison
 # --------------------------------------------------------------------------
+def run_gamma_check(name: str, base: str, args) -> dict:
+    """serve_smoke's per-request gamma check on this phase's server (after the
+    workload): MOIRA phases send moira_gamma 1.0 and 0.9 together and alone and
+    an invalid 1.5; the dense phase gives the reference text."""
+    if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import serve_smoke
+
+    backend = PHASES[name]["VLLM_ATTENTION_BACKEND"]
+    smoke_args = serve_smoke.build_parser().parse_args(
+        ["--out", "unused", "--backend", backend, "--model", args.model]
+    )
+    try:
+        return serve_smoke.gamma_check(base, smoke_args)
+    except Exception as error:  # recorded, never fatal to the soak record
+        log(f"[{name}] gamma check failed: {error!r}")
+        return {"ok": False, "error": repr(error)}
+
+
+def compare_gamma_checks(record: dict) -> dict | None:
+    """The gamma=1 request of the MOIRA gamma check vs the dense reference text."""
+    dense = record["phases"].get("dense", {}).get("gamma_check", {})
+    moira = record["phases"].get("moira1", {}).get("gamma_check", {})
+    if "dense_text" not in dense or "concurrent" not in moira:
+        return None
+    gamma_1 = [r["text"] for r in moira["concurrent"] if r["gamma"] == 1.0]
+    return {
+        "gamma_1_equals_dense": bool(gamma_1) and all(t == dense["dense_text"] for t in gamma_1),
+        "moira_checks": moira.get("checks"),
+    }
+
+
 def compare(record: dict, a: str, b: str) -> dict | None:
     pa, pb = record["phases"].get(a), record["phases"].get(b)
     if not pa or not pb or "outputs" not in pa or "outputs" not in pb:
@@ -338,6 +373,8 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=400.0)
     p.add_argument("--out", default="benchmarks/results/soak_h200.json")
     p.add_argument("--rerun", action="store_true", help="rerun phases already in --out")
+    p.add_argument("--gamma-check", action="store_true",
+                   help="after each phase's workload: the per-request gamma check")  # fmt: skip
     args = p.parse_args()
     if args.requests is None:
         args.requests = 60 if args.quick else 500
@@ -356,7 +393,9 @@ def main() -> int:
             record = json.loads(out.read_text())
         except ValueError:
             record = {}
-    config = {k: v for k, v in vars(args).items() if k not in ("rerun", "phases", "out")}
+    config = {
+        k: v for k, v in vars(args).items() if k not in ("rerun", "phases", "out", "gamma_check")
+    }
     if record.get("workload_config") not in (None, config):
         log("workload config differs from the one in --out: starting a fresh record")
         record = {}
@@ -368,6 +407,9 @@ def main() -> int:
         cmp_ = compare(record, "moira1", "dense")
         if cmp_ is not None:
             record["compare_gamma1_vs_dense"] = cmp_
+        gamma_cmp = compare_gamma_checks(record)
+        if gamma_cmp is not None:
+            record["compare_gamma_check"] = gamma_cmp
         cmp98 = compare(record, "moira098", "dense")
         if cmp98 is not None:
             record["compare_gamma098_vs_dense"] = cmp98

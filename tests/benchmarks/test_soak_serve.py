@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pure helpers of benchmarks/soak_serve.py (CPU)."""
+
+from __future__ import annotations
+
+from _load import load
+
+soak = load("soak_serve")
+
+
+def _phase(outputs=None, gamma_check=None):
+    phase = {"status": "done"}
+    if outputs is not None:
+        phase["outputs"] = {str(i): {"token_ids": t, "prompt_len": 1000 + i}
+                            for i, t in enumerate(outputs)}  # fmt: skip
+    if gamma_check is not None:
+        phase["gamma_check"] = gamma_check
+    return phase
+
+
+def test_compare_counts_mismatches_and_first_difference():
+    record = {"phases": {"moira1": _phase([[1, 2, 3], [4, 5, 6], [7]]),
+                         "dense": _phase([[1, 2, 3], [4, 0, 6], [7]])}}  # fmt: skip
+    cmp = soak.compare(record, "moira1", "dense")
+    assert cmp["compared"] == 3 and cmp["mismatches"] == 1
+    assert cmp["mismatch_examples"] == [{"index": 1, "prompt_len": 1001, "first_diff": 1}]
+    assert soak.compare({"phases": {"moira1": _phase([[1]])}}, "moira1", "dense") is None
+
+
+def test_gamma_check_comparison_uses_the_gamma_one_request():
+    moira = {"concurrent": [{"gamma": 1.0, "text": "abc"}, {"gamma": 0.9, "text": "abd"}],
+             "checks": {"invalid_gamma_is_400": True}}  # fmt: skip
+    record = {"phases": {"moira1": _phase(gamma_check=moira),
+                         "dense": _phase(gamma_check={"dense_text": "abc"})}}  # fmt: skip
+    assert soak.compare_gamma_checks(record)["gamma_1_equals_dense"] is True
+    record["phases"]["dense"]["gamma_check"]["dense_text"] = "abd"
+    assert soak.compare_gamma_checks(record)["gamma_1_equals_dense"] is False
+    del record["phases"]["dense"]
+    assert soak.compare_gamma_checks(record) is None
