@@ -32,9 +32,9 @@ from benchmarks.accuracy import harness as H
 REPO = Path(__file__).resolve().parents[2]
 
 
-def arms(robust: str) -> list[tuple[str, H.Selector]]:
+def arms(estimators: list[str]) -> list[tuple[str, H.Selector]]:
     out = [("dense", H.Selector("dense", None))]
-    for est in ("mvar",) if robust in ("", "none") else ("mvar", robust):
+    for est in estimators:
         for g in (0.95, 0.98, 0.99):
             out.append(("moira", H.Selector("moira", g, est)))
     out.append(("oracle", H.Selector("oracle", 0.98)))
@@ -56,11 +56,20 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument(
-        "--robust", default="none", help="extra estimator arm, e.g. mvar_bennett (none: off)"
+        "--estimators",
+        default="mvar",
+        help="comma list of Moira estimators (gamma 0.95/0.98/0.99 each); the first one at "
+        "gamma=0.98 sets the reads of the equal-read arms (fixed_k, proportional: same "
+        "estimator; quest: box bound)",
     )
+    ap.add_argument("--robust", default="none", help="deprecated: adds one estimator after mvar")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/accuracy_smollm2.json"))
     args = ap.parse_args()
+    estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
+    if args.robust not in ("", "none"):
+        estimators.append(args.robust)
+    ref_estimator = estimators[0]
     t_start = time.time()
     tok, model = H.load_model(threads=args.threads or None)
     stop = (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
@@ -81,17 +90,17 @@ def main() -> None:
         ans = [t for t in dense_toks if t not in stop] or dense_toks[:1]
         dense_logits = H.forced_logits(model, cache, ans, "off")
         ref_reads = None
-        run_arms = arms(args.robust)
+        run_arms = arms(estimators)
         for arm, sel in run_arms + [
             ("fixed_k", None),
             ("proportional", None),
             ("quest", None),
         ]:
-            if sel is None:  # equal reads to moira mvar 0.98 on this document
+            if sel is None:  # equal reads to moira <ref_estimator> 0.98 on this document
                 pages, frac = ref_reads
                 sel = {
-                    "fixed_k": H.Selector("fixed_k", None, "mvar", fixed_pages=pages),
-                    "proportional": H.Selector("proportional", None, "mvar", fraction=frac),
+                    "fixed_k": H.Selector("fixed_k", None, ref_estimator, fixed_pages=pages),
+                    "proportional": H.Selector("proportional", None, ref_estimator, fraction=frac),
                     "quest": H.Selector("quest", None, "box", fixed_pages=pages),
                 }[arm]
             toks = (
@@ -108,7 +117,7 @@ def main() -> None:
                 r = torch.tensor([x[3] / x[4] for x in H.STATE.reads])
                 pg = torch.tensor([float(x[3]) for x in H.STATE.reads])
                 reads = float(r.mean())
-                if arm == "moira" and sel.estimator == "mvar" and sel.gamma == 0.98:
+                if arm == "moira" and sel.estimator == ref_estimator and sel.gamma == 0.98:
                     ref_reads = (max(2, round(float(pg.mean()))), reads)
             # equal-read arms pool under one label per arm (their K varies by document)
             label = arm if arm in ("fixed_k", "proportional", "quest") else sel.label()
