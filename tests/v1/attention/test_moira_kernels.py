@@ -433,3 +433,52 @@ def test_workspace_rejects_unsupported_geometry():
         moira.MoiraWorkspace(2, 8, 2, 96, 4, moira.MoiraConfig(), "cpu")
     with pytest.raises(ValueError, match="multiple of"):
         moira.MoiraWorkspace(2, 6, 4, 64, 4, moira.MoiraConfig(), "cpu")
+
+
+# --------------------------------------------------------------------------
+# Tensor parallelism: per-rank KV-head shards
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_tensor_parallel_shards_equal_the_unsharded_step(layout):
+    """vLLM's tensor parallelism gives each rank a contiguous block of KV heads
+    with their G query heads, its own KV cache, summaries and workspace. Every
+    Moira step is per (row, KV head), so each rank's step on its shard must
+    give bitwise the outputs, page lists and read counts of the unsharded step."""
+    tp, num_kv_heads, group, head_size = 2, 4, 3, 64
+    seq_lens = [1, 64, 64 * 9 + 5, 64 * 30, 64 * 17 + 63]
+    kv, summaries, table, seq, query = _batch(seq_lens, num_kv_heads, group, head_size, layout,
+                                              pattern="concentrated")  # fmt: skip
+    config = moira.MoiraConfig(gamma=0.95, **SMALL_SPLITS)
+    scale = head_size**-0.5
+    whole = moira.MoiraWorkspace(8, num_kv_heads * group, num_kv_heads, head_size,
+                                 table.shape[1], config, "cpu")  # fmt: skip
+    out_whole = torch.zeros_like(query)
+    moira.moira_decode(query, kv, summaries, table, seq, out_whole, whole, scale)
+    heads_per_rank = num_kv_heads // tp
+    kept = total = 0
+    for rank in range(tp):
+        kv_heads = slice(rank * heads_per_rank, (rank + 1) * heads_per_rank)
+        q_heads = slice(kv_heads.start * group, kv_heads.stop * group)
+        kv_rank = kv[:, kv_heads].clone()  # the rank's own cache, same layout
+        summaries_rank = torch.zeros_like(summaries[:, kv_heads])
+        full_pages = [int(table[r, p]) * PAGE + PAGE - 1
+                      for r, s in enumerate(seq_lens) for p in range(s // PAGE)]  # fmt: skip
+        moira.write_page_summaries(kv_rank, summaries_rank, torch.tensor(full_pages))
+        assert torch.equal(summaries_rank, summaries[:, kv_heads])
+        ws = moira.MoiraWorkspace(8, heads_per_rank * group, heads_per_rank, head_size,
+                                  table.shape[1], config, "cpu")  # fmt: skip
+        query_rank = query[:, q_heads].contiguous()
+        out = torch.zeros_like(query_rank)
+        moira.moira_decode(query_rank, kv_rank, summaries_rank, table, seq, out, ws, scale)
+        rows = len(seq_lens)
+        assert torch.equal(out, out_whole[:, q_heads])
+        assert torch.equal(ws.page_count[:rows], whole.page_count[:rows, kv_heads])
+        for row in range(rows):
+            for h in range(heads_per_rank):
+                n = int(ws.page_count[row, h])
+                assert torch.equal(ws.page_list[row, h, :n],
+                                   whole.page_list[row, kv_heads.start + h, :n])  # fmt: skip
+        kept += int(ws.read_stats[0])
+        total += int(ws.read_stats[1])
+    assert [kept, total] == whole.read_stats.tolist()
+    assert kept < total, "the case must be sparse to test anything"
