@@ -259,9 +259,7 @@ def test_estimator_constants_match_reference():
     assert moira.MoiraConfig().estimator == moira.MOIRA_DEFAULT_ESTIMATOR == "mvar"
     for estimator in moira.MOIRA_ESTIMATORS:
         assert moira.summary_slots(estimator) == ref.summary_slots(estimator)
-        assert moira.MoiraConfig(estimator=estimator).summary_slots == ref.summary_slots(
-            estimator
-        )
+        assert moira.MoiraConfig(estimator=estimator).summary_slots == ref.summary_slots(estimator)
 
 
 def test_config_rejects_unknown_estimator():

@@ -185,9 +185,7 @@ class MoiraConfig:
 def estimator_num_top(estimator: str) -> int:
     """r: keys per page and KV head that ``estimator`` stores exactly."""
     if estimator not in MOIRA_ESTIMATOR_NUM_TOP:
-        raise ValueError(
-            f"Moira: estimator must be one of {MOIRA_ESTIMATORS}, got {estimator!r}"
-        )
+        raise ValueError(f"Moira: estimator must be one of {MOIRA_ESTIMATORS}, got {estimator!r}")
     return MOIRA_ESTIMATOR_NUM_TOP[estimator]
 
 
@@ -247,17 +245,16 @@ def kernel_moira_write_summaries(
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
-    keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :]).to(
-        tl.float32
-    )
+    keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :]).to(tl.float32)
     mean = tl.sum(keys, axis=0) / PAGE_SIZE
     centered = keys - mean[None, :]
-    out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
     if NUM_TOP == 0:
         var = tl.sum(centered * centered, axis=0) / PAGE_SIZE
+        out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
         tl.store(out, mean.to(tl.bfloat16))
         tl.store(out + HEAD_SIZE, var.to(tl.bfloat16))
     else:
+        out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
         dist = tl.sum(centered * centered, axis=1)  # [PAGE_SIZE]
         in_bulk = offs_t >= 0  # all True
         for j in tl.static_range(NUM_TOP):
@@ -439,9 +436,7 @@ def kernel_moira_estimate(
             log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
             v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
             v = tl.maximum(v, 0.0)
-            spread = tl.where(
-                v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m
-            )
+            spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
             est += spread + log_m
             if NUM_TOP > 0:
                 # logaddexp of the bulk and the stored keys' exact logits
