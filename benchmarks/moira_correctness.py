@@ -371,7 +371,8 @@ def sweep_estimate_and_select(case, ws):
 
     def estimate():
         moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
-                                    case["seq"], ws.logmass, SCALE)  # fmt: skip
+                                    case["seq"], ws.logmass, SCALE,
+                                    ws.config.estimator)  # fmt: skip
 
     def select():
         moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
@@ -436,7 +437,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(
             case["query"], case["kv"], case["summaries"], case["table"], case["seq"],
-            ws.logmass, SCALE)
+            ws.logmass, SCALE, ws.config.estimator)
     )  # fmt: skip
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
