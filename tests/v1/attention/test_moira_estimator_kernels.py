@@ -272,11 +272,12 @@ def test_config_rejects_unknown_estimator():
     [
         ({"MOIRA_ESTIMATOR": "MVAR_TOP4"}, "mvar_top4"),
         ({"MOIRA_ESTIMATOR": " mvar_rem "}, "mvar_rem"),
-        ({"MOIRA_ESTIMATOR": ""}, "mvar"),
-        ({}, "mvar"),
+        ({"MOIRA_ESTIMATOR": ""}, None),
+        ({}, None),
     ],
 )
 def test_config_from_env_estimator(env, expected):
+    expected = expected or moira.MOIRA_DEFAULT_ESTIMATOR
     assert moira.moira_config_from_env(env).estimator == expected
 
 
