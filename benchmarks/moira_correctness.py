@@ -17,8 +17,17 @@ Timing sanity (--timing-json, not a test): Estimate+Select per layer, Attend +
 Merge on the kept pages with their achieved bandwidth, dense FA3, and the
 device-to-device copy rate measured in the same run.
 
+Page-mass estimators (issue 10, --estimators mvar,mvar_rem,mvar_top4): per
+estimator and shape, summaries written by the kernel writer of that estimator
+(checked against the reference on a few pages), Estimate checked against the
+reference on a few rows and Select's lists against the reference lists, and
+(timing) Estimate, Select, Estimate+Select and the summary write.
+
     python benchmarks/moira_correctness.py --json benchmarks/results/correctness_h200.json \
         --timing-json benchmarks/results/kernel_timing_h200.json
+    python benchmarks/moira_correctness.py --estimators mvar,mvar_rem,mvar_top4 \
+        --only-estimators --json benchmarks/results/estimator_kernels_h200.json \
+        --timing-json benchmarks/results/estimator_timing_h200.json
 """
 
 from __future__ import annotations
@@ -65,12 +74,29 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
     table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen, device="cuda")
     query = torch.randn(batch, HQ, D, device="cuda").to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
-    summaries = torch.zeros(num_blocks, HKV, 2, D, dtype=torch.bfloat16, device="cuda")
-    all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
-    moira.write_page_summaries(kv, summaries, all_last_slots)
+    # Summaries of the default estimator (MoiraConfig() below); other
+    # estimators' summaries: estimator_case().
+    summaries = write_summaries(kv, moira.MoiraConfig().estimator)
     seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return dict(kv=kv, summaries=summaries, table=table, seq=seq, query=query,
                 seq_lens=seq_lens, max_pages=max_pages)  # fmt: skip
+
+
+def write_summaries(kv, estimator):
+    """Summaries of every block of ``kv`` by the kernel writer of ``estimator``."""
+    num_blocks = kv.shape[0]
+    summaries = torch.zeros(num_blocks, HKV, moira.summary_slots(estimator), D,
+                            dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
+    moira.write_page_summaries(kv, summaries, all_last_slots)
+    return summaries
+
+
+def estimator_case(case, estimator):
+    """The case with the summaries of ``estimator`` (same cache, queries, rows)."""
+    if estimator == case.get("estimator", moira.MoiraConfig().estimator):
+        return case
+    return dict(case, summaries=write_summaries(case["kv"], estimator), estimator=estimator)
 
 
 def workspace(case, config):
@@ -190,8 +216,9 @@ def check_graph_replay(case, gamma=0.98):
     return results
 
 
-def check_select_and_estimate(case, gamma=0.98, estimate_rows=2):
-    config = moira.MoiraConfig(gamma=gamma)
+def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None):
+    estimator = estimator or moira.MoiraConfig().estimator
+    config = moira.MoiraConfig(gamma=gamma, estimator=estimator)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
@@ -219,13 +246,14 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2):
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(
             case["query"][row], case["kv"], case["summaries"], case["table"][row],
-            seq_len, SCALE).cpu()  # fmt: skip
+            seq_len, SCALE, estimator).cpu()  # fmt: skip
         est_err = max(est_err, float((logmass[row, :, :, :n] - expected).abs().max()))
         keys, values = ref.row_keys_values(case["kv"], case["table"][row], seq_len)
         sparse = ref.attend_pages(case["query"][row], keys, values, lists[row],
                                   seq_len, SCALE)[0]  # fmt: skip
         sparse_err = max(sparse_err, float((out[row].float() - sparse).abs().max()))
     return {
+        "estimator": estimator,
         "gamma": gamma,
         "rows_checked": rows_checked,
         "rows_equal": rows_equal,
@@ -233,6 +261,59 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2):
         "estimate_max_abs_err": est_err,
         "sparse_vs_fp32_max_abs_diff": sparse_err,
     }
+
+
+def check_estimator_summaries(case, estimator, num_pages=64):
+    """Kernel summaries of ``num_pages`` blocks vs the float32 reference: stored keys
+    (slots 2..) must be bit-exact copies (a page may differ only on a near-tie of the
+    distances, counted), slots 0-1 within bf16 rounding (max error relative to one bf16
+    ulp of the value)."""
+    num_pages = min(num_pages, case["kv"].shape[0] - 1)
+    blocks = torch.arange(1, 1 + num_pages, device="cuda")
+    got = case["summaries"][blocks].float()
+    r = moira.estimator_num_top(estimator)
+    if r == 0:
+        expected = ref.summarize_pages(case["kv"], blocks)
+    else:
+        expected = ref.summarize_pages_top(case["kv"], blocks, r)
+    same_keys = torch.ones(num_pages, HKV, dtype=torch.bool, device="cuda")
+    if r:
+        same_keys = (got[:, :, 2:] == expected[:, :, 2:]).flatten(2).all(-1)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(expected[:, :, :2].abs().clamp_min(2.0**-126))) - 7)
+    rel = ((got[:, :, :2] - expected[:, :, :2]).abs() / ulp).amax(dim=(2, 3))
+    return {
+        "pages_checked": num_pages * HKV,
+        "stored_keys_equal": int(same_keys.sum()),
+        "bulk_max_err_in_bf16_ulps": float(rel[same_keys].max()) if same_keys.any() else None,
+    }
+
+
+def time_estimator(case, estimator, gamma=0.98):
+    """Estimate / Select / Estimate+Select / summary write of one estimator."""
+    batch = case["query"].shape[0]
+    ws = workspace(case, moira.MoiraConfig(gamma=gamma, estimator=estimator))
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    row = {"estimator": estimator, "summary_slots": moira.summary_slots(estimator)}
+    row["estimate_select_us"] = graph_time_us(lambda: moira.estimate_and_select(*args, ws, SCALE))
+    row["estimate_us"] = graph_time_us(
+        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)
+    )
+    row["select_us"] = graph_time_us(
+        lambda: moira.select_pages(
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
+            batch, case["max_pages"], ws.read_stats)
+    )  # fmt: skip
+    pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
+    row["estimate_summary_gbytes_per_s"] = (
+        pages * HKV * row["summary_slots"] * D * 2 / (row["estimate_us"] * 1e-6) / 1e9
+    )
+    summaries = case["summaries"]
+    slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
+    row["write_all_blocks_us"] = graph_time_us(
+        lambda: moira.write_page_summaries(case["kv"], summaries, slots), reps=3, iters=5
+    )
+    row["blocks"] = int(summaries.shape[0])
+    return row
 
 
 def check_layouts(case_token_major):
@@ -290,7 +371,8 @@ def sweep_estimate_and_select(case, ws):
 
     def estimate():
         moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
-                                    case["seq"], ws.logmass, SCALE)  # fmt: skip
+                                    case["seq"], ws.logmass, SCALE,
+                                    ws.config.estimator)  # fmt: skip
 
     def select():
         moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
@@ -355,7 +437,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(
             case["query"], case["kv"], case["summaries"], case["table"], case["seq"],
-            ws.logmass, SCALE)
+            ws.logmass, SCALE, ws.config.estimator)
     )  # fmt: skip
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
@@ -433,7 +515,17 @@ def main():
     parser.add_argument("--sweep-attend", action="store_true", help="time Attend launch configs")
     parser.add_argument("--sweep-estimate-select", action="store_true",
                         help="time Estimate and Select launch configs (lists checked)")  # fmt: skip
+    parser.add_argument(
+        "--estimators", default="", help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time"
+    )
+    parser.add_argument("--only-estimators", action="store_true",
+                        help="with --estimators: skip the other checks and timings")  # fmt: skip
     args = parser.parse_args()
+    estimators = [e for e in args.estimators.split(",") if e]
+    for estimator in estimators:
+        moira.estimator_num_top(estimator)  # unknown name: error before any work
+    if args.only_estimators and not estimators:
+        parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)
     gpu = torch.cuda.get_device_name()
     record = {"command": command, "gpu": gpu, "torch": torch.__version__, "cases": []}
@@ -446,16 +538,30 @@ def main():
         t0 = time.time()
         case = build_case(batch, context)
         entry = {"shape": shape, "seq_lens": case["seq_lens"]}
-        entry["gamma_one"] = check_gamma_one(case)
-        print(shape, "gamma=1", entry["gamma_one"], flush=True)
-        entry["graph_replay"] = check_graph_replay(case)
-        print(shape, "graph", entry["graph_replay"], flush=True)
-        entry["select"] = check_select_and_estimate(case)
-        print(shape, "select", entry["select"], flush=True)
-        entry["layouts"] = check_layouts(case)
-        print(shape, "layouts", entry["layouts"], flush=True)
+        if not args.only_estimators:
+            entry["gamma_one"] = check_gamma_one(case)
+            print(shape, "gamma=1", entry["gamma_one"], flush=True)
+            entry["graph_replay"] = check_graph_replay(case)
+            print(shape, "graph", entry["graph_replay"], flush=True)
+            entry["select"] = check_select_and_estimate(case)
+            print(shape, "select", entry["select"], flush=True)
+            entry["layouts"] = check_layouts(case)
+            print(shape, "layouts", entry["layouts"], flush=True)
+        timing_estimators = []
+        for estimator in estimators:
+            case_e = estimator_case(case, estimator)
+            check = {"summaries": check_estimator_summaries(case_e, estimator)}
+            check.update(check_select_and_estimate(case_e, estimator=estimator))
+            entry.setdefault("estimators", []).append(check)
+            print(shape, "estimator", json.dumps(check), flush=True)
+            if not args.skip_timing:
+                timing_estimators.append(time_estimator(case_e, estimator))
+                print(shape, "estimator timing", json.dumps(timing_estimators[-1]), flush=True)
+            del case_e
         record["cases"].append(entry)
-        if not args.skip_timing:
+        if timing_estimators:
+            timing["rows"].append({"shape": shape, "estimators": timing_estimators})
+        if not args.skip_timing and not args.only_estimators:
             row = {
                 "shape": shape,
                 **time_case(

@@ -166,6 +166,56 @@ def test_summary_bytes_are_one_64th_of_kv(heads, head_size):
     ms.release_summaries(ms.summary_key(kv))
 
 
+@pytest.mark.parametrize("num_slots, fraction", [(2, (1, 64)), (4, (1, 32)), (6, (3, 64))])
+def test_summary_bytes_follow_the_slot_count(num_slots, fraction):
+    """mvar / mvar_rem (2 slots): 1/64 of the KV bytes; mvar_top2 (4): 1/32; mvar_top4 (6):
+    3/64. Accounting equals the allocation."""
+    from vllm.v1.worker import moira_summaries as ms
+
+    kv = torch.zeros(10, 2, 64, 2 * 64, dtype=torch.bfloat16)
+    s = ms.acquire_summaries(kv, num_slots)
+    assert s.shape == (10, 2, num_slots, 64) and s.eq(0).all()
+    kv_bytes = kv.numel() * kv.element_size()
+    summary_bytes = s.numel() * s.element_size()
+    assert summary_bytes == ms.summary_bytes_for_kv_bytes(kv_bytes, num_slots)
+    assert summary_bytes * fraction[1] == kv_bytes * fraction[0]
+    # A layer asking for another layout of the same KV view is refused.
+    with pytest.raises(ValueError, match="same estimator"):
+        ms.acquire_summaries(kv, 2 if num_slots != 2 else 6)
+    ms.release_summaries(ms.summary_key(kv))
+
+
+@pytest.mark.parametrize("estimator, slots", [(None, 2), ("mvar_rem", 2), ("mvar_top4", 6)])
+def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator, slots):
+    """MOIRA_ESTIMATOR fixes the summary layout the impl allocates and accounts for."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker import moira_summaries as ms
+    from vllm.v1.worker.utils import bind_kv_cache_to_layers, clear_layer_kv_caches
+
+    if estimator is None:
+        monkeypatch.delenv("MOIRA_ESTIMATOR", raising=False)
+    else:
+        monkeypatch.setenv("MOIRA_ESTIMATOR", estimator)
+    mod = moira_module()
+    cfg = make_vllm_config(write_tiny_llama(tmp_path / "m"))
+    with set_current_vllm_config(cfg):
+        impl = mod.MoiraImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2,
+                             alibi_slopes=None, sliding_window=None,
+                             kv_cache_dtype="auto")  # fmt: skip
+        name = "model.layers.0.self_attn.attn"
+        kv = torch.zeros(12, 2, 64, 128, dtype=torch.bfloat16)
+        base = ms.live_summary_bytes()
+        layer = _Layer(impl)
+        bind_kv_cache_to_layers({name: kv}, {name: layer})
+        assert impl._summaries.shape == (12, 2, slots, 64)
+        kv_bytes = kv.numel() * 2
+        assert ms.live_summary_bytes() - base == impl.get_kv_cache_extras_bytes(kv_bytes)
+        assert impl.get_kv_cache_extras_bytes(kv_bytes) * 128 == kv_bytes * slots
+        clear_layer_kv_caches([layer])
+        assert impl._summaries is None
+        assert ms.live_summary_bytes() == base
+
+
 def test_moira_impl_hook_end_to_end(tmp_path):
     """Real MoiraImpl through the generic hook: two layers sharing one KV view share
     the summaries; accounting matches the allocation; release frees."""

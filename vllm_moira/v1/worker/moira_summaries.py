@@ -7,8 +7,11 @@ bind_kv_cache_extras`` / ``release_kv_cache_extras``, patch 0003), which both
 model runners reach right after the KV cache is bound and before warmup and
 CUDA-graph capture.
 
-One summary buffer per KV-cache *view*: ``[num_kernel_blocks, H_kv, 2, D]``
-bf16 (per-channel mean and variance of the 64 keys of each page), indexed by
+One summary buffer per KV-cache *view*: ``[num_kernel_blocks, H_kv, S, D]``
+bf16, S = ``summary_slots(estimator)`` of the backend (2 for mvar / mvar_rem:
+per-channel mean and variance of the 64 keys of each page; 2 + r for
+mvar_top{r}: mean and variance of the other 64 - r keys, then the r keys
+farthest from the page mean), indexed by
 the same kernel block id as the view's dim 0, i.e. the values stored in the
 block table. It is sized from the view itself, not from
 ``kv_cache_config.num_blocks``: when the manager block is a multiple of 64,
@@ -34,8 +37,8 @@ def summary_key(kv_cache: torch.Tensor) -> tuple:
     return (str(kv_cache.device), kv_cache.data_ptr(), tuple(kv_cache.shape))
 
 
-def summary_shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """``[num_blocks, H_kv, 2, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view."""
+def summary_shape(kv_cache: torch.Tensor, num_slots: int = 2) -> tuple[int, int, int, int]:
+    """``[num_blocks, H_kv, num_slots, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view."""
     if kv_cache.dim() != 4 or kv_cache.shape[2] != PAGE_SIZE:
         raise ValueError(
             "Moira: expected a KV cache view [num_blocks, num_kv_heads, 64, "
@@ -43,21 +46,26 @@ def summary_shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
             "block size must be 64"
         )
     num_blocks, num_kv_heads, _, width = kv_cache.shape
-    return (num_blocks, num_kv_heads, 2, width // 2)
+    return (num_blocks, num_kv_heads, num_slots, width // 2)
 
 
-def acquire_summaries(kv_cache: torch.Tensor) -> torch.Tensor:
+def acquire_summaries(kv_cache: torch.Tensor, num_slots: int = 2) -> torch.Tensor:
     """Return the summary buffer of this KV view, allocating it on first use.
 
-    Zero-filled: a page that has never been filled (e.g. the null block 0)
-    has a zero summary and is never selected on its own merit.
+    ``num_slots`` is ``summary_slots(estimator)`` (2 + r). Zero-filled: a page
+    that has never been filled (e.g. the null block 0) has a zero summary and
+    is never selected on its own merit.
     """
     key = summary_key(kv_cache)
+    shape = summary_shape(kv_cache, num_slots)
     entry = _REGISTRY.get(key)
-    if entry is None:
-        summaries = torch.zeros(
-            summary_shape(kv_cache), dtype=torch.bfloat16, device=kv_cache.device
+    if entry is not None and tuple(entry[0].shape) != shape:
+        raise ValueError(
+            f"Moira: the summaries of this KV view have {entry[0].shape[2]} slots, "
+            f"a layer asked for {num_slots}; every layer must use the same estimator"
         )
+    if entry is None:
+        summaries = torch.zeros(shape, dtype=torch.bfloat16, device=kv_cache.device)
         entry = _REGISTRY[key] = [summaries, 0]
     entry[1] += 1
     return entry[0]
@@ -78,14 +86,15 @@ def live_summary_bytes() -> int:
     return sum(t.numel() * t.element_size() for t, _ in _REGISTRY.values())
 
 
-def summary_bytes_for_kv_bytes(kv_cache_bytes: int) -> int:
+def summary_bytes_for_kv_bytes(kv_cache_bytes: int, num_slots: int = 2) -> int:
     """Summary bytes for a bf16 KV view of ``kv_cache_bytes``.
 
     A page holds 64 tokens x 2D values (K and V) per KV head; its summary
-    2D values (mean and variance of K). So summaries are exactly 1/64 of the
-    KV bytes (rounded up).
+    ``num_slots`` x D values. So summaries are exactly ``num_slots / 128`` of
+    the KV bytes (rounded up): 1/64 for mvar / mvar_rem (2 slots), 1/32 for
+    mvar_top2 (4), 3/64 for mvar_top4 (6).
     """
-    return -(-kv_cache_bytes // PAGE_SIZE)
+    return -(-kv_cache_bytes * num_slots // (2 * PAGE_SIZE))
 
 
 def workspace_bytes(vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int) -> int:

@@ -7,7 +7,9 @@ run per layer, all with grids fixed by the batch size so the step replays in
 vLLM's full CUDA graph without any host planning:
 
 1. Estimate: log-mass of every 64-token page from its summary (per-channel
-   mean and variance of its keys, Eq. 2 "mvar"); sink and current page exact.
+   mean and variance of its keys, Eq. 2 "mvar"; or the issue-10 estimators
+   "mvar_rem" / "mvar_top{r}", MoiraConfig.estimator); sink and current page
+   exact.
 2. Select: group-mean softmax over the G query heads of a KV head; keep the
    fewest pages whose share reaches gamma (coverage rule, Eq. 3), found by
    bisection rather than a sort (Alg. 1). Also a fixed-count mode.
@@ -65,6 +67,15 @@ MOIRA_SUPPORTED_HEAD_SIZES = (64, 128)
 #: Largest GQA group (query heads per KV head) the kernels support.
 MOIRA_MAX_GROUP_SIZE = 16
 MOIRA_SELECTORS = ("coverage", "fixed")
+#: Page-mass estimators (issue 10, docs/estimator.md) -> r, the keys stored
+#: exactly per page and KV head. "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2
+#: with the REM spread term (same 2-slot summary); "mvar_top{r}": the r keys
+#: farthest from the page mean stored exactly, the other 64 - r summarized by
+#: their mean and variance (REM spread term), summary of 2 + r slots.
+MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_rem": 0, "mvar_top2": 2, "mvar_top4": 4}
+MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
+#: Estimator used when MOIRA_ESTIMATOR is unset (one-line switch).
+MOIRA_DEFAULT_ESTIMATOR = "mvar"
 
 # Estimate's launch configuration: pages per summary program ("each covering
 # 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
@@ -109,6 +120,9 @@ class MoiraConfig:
     min_splits_per_row: int = 32
     #: N_T: fewest Attend blocks per grid (so a few long rows fill the GPU).
     min_splits_total: int = 4096
+    #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary layout
+    #: (``summary_slots``) when the KV cache is allocated.
+    estimator: str = MOIRA_DEFAULT_ESTIMATOR
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option and its allowed values."""
@@ -147,6 +161,16 @@ class MoiraConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Moira: {name} must be an integer >= 1, got {value!r}")
+        if self.estimator not in MOIRA_ESTIMATORS:
+            raise ValueError(
+                f"Moira: estimator must be one of {MOIRA_ESTIMATORS} "
+                f"(default {MOIRA_DEFAULT_ESTIMATOR!r}), got {self.estimator!r}"
+            )
+
+    @property
+    def summary_slots(self) -> int:
+        """Slots of the page summary this config's estimator reads."""
+        return summary_slots(self.estimator)
 
     def selector_values(self) -> tuple[float, float, float]:
         """(gamma, K, fraction) as Select reads them; 0 turns a field off."""
@@ -158,6 +182,19 @@ class MoiraConfig:
         """J of Eq. 4: Attend blocks per (row, KV head) for a batch of rows."""
         per_grid = triton.cdiv(self.min_splits_total, max(num_rows, 1) * num_kv_heads)
         return max(self.min_splits_per_row, per_grid)
+
+
+def estimator_num_top(estimator: str) -> int:
+    """r: keys per page and KV head that ``estimator`` stores exactly."""
+    if estimator not in MOIRA_ESTIMATOR_NUM_TOP:
+        raise ValueError(f"Moira: estimator must be one of {MOIRA_ESTIMATORS}, got {estimator!r}")
+    return MOIRA_ESTIMATOR_NUM_TOP[estimator]
+
+
+def summary_slots(estimator: str) -> int:
+    """Slots of the page summary ``[num_blocks, H_kv, slots, D]``: 2 + r
+    (slot 0 mean, slot 1 variance of the summarized keys, then r keys)."""
+    return 2 + estimator_num_top(estimator)
 
 
 def _group_rows(group_size: int) -> int:
@@ -181,7 +218,7 @@ def _check_kv_cache(kv_cache: torch.Tensor) -> None:
 @triton.jit
 def kernel_moira_write_summaries(
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2, HEAD_SIZE] bf16
+    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP, HEAD_SIZE] bf16
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
     stride_kv_block: tl.int64,
     stride_kv_head: tl.int64,
@@ -190,11 +227,17 @@ def kernel_moira_write_summaries(
     stride_sum_head: tl.int64,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    NUM_TOP: tl.constexpr = 0,
 ):
     # One program per (token, KV head). Only the token that fills its page
     # (offset PAGE_SIZE - 1) summarizes; the others exit at once. The keys are
     # read back from the cache, so a page filled across two prefill chunks is
     # summarized over all of its tokens.
+    # NUM_TOP = 0 (mvar, mvar_rem): slot 0 = mean, slot 1 = variance of the
+    # 64 keys. NUM_TOP = r > 0 (mvar_top{r}): slots 2 .. 1 + r = the r keys
+    # farthest (L2) from the mean of the 64 keys, farthest first (ties: lower
+    # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
+    # other 64 - r keys (the bulk).
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -203,19 +246,36 @@ def kernel_moira_write_summaries(
     block = slot // PAGE_SIZE
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
-    keys = tl.load(
-        kv_cache_ptr
-        + block * stride_kv_block
-        + head * stride_kv_head
-        + offs_t[:, None] * stride_kv_token
-        + offs_d[None, :]
-    ).to(tl.float32)
+    page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
+    keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :]).to(tl.float32)
     mean = tl.sum(keys, axis=0) / PAGE_SIZE
     centered = keys - mean[None, :]
-    var = tl.sum(centered * centered, axis=0) / PAGE_SIZE
-    out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
-    tl.store(out, mean.to(tl.bfloat16))
-    tl.store(out + HEAD_SIZE, var.to(tl.bfloat16))
+    if NUM_TOP == 0:
+        var = tl.sum(centered * centered, axis=0) / PAGE_SIZE
+        out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
+        tl.store(out, mean.to(tl.bfloat16))
+        tl.store(out + HEAD_SIZE, var.to(tl.bfloat16))
+    else:
+        out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
+        dist = tl.sum(centered * centered, axis=1)  # [PAGE_SIZE]
+        in_bulk = offs_t >= 0  # all True
+        for j in tl.static_range(NUM_TOP):
+            # argmax with the lowest index among the maxima, written out so
+            # that the tie rule does not depend on tl.argmax's lowering.
+            peak = tl.max(dist, axis=0)
+            top = tl.min(tl.where(dist == peak, offs_t, PAGE_SIZE), axis=0)
+            top = tl.minimum(top, PAGE_SIZE - 1)  # NaN keys: stay in the page
+            key = tl.load(page_keys + top * stride_kv_token + offs_d)
+            tl.store(out + (2 + j) * HEAD_SIZE, key)
+            chosen = offs_t == top
+            dist = tl.where(chosen, float("-inf"), dist)
+            in_bulk = in_bulk & (offs_t != top)
+        bulk_keys = tl.where(in_bulk[:, None], keys, 0.0)
+        bulk_mean = tl.sum(bulk_keys, axis=0) / (PAGE_SIZE - NUM_TOP)
+        bulk_centered = tl.where(in_bulk[:, None], keys - bulk_mean[None, :], 0.0)
+        bulk_var = tl.sum(bulk_centered * bulk_centered, axis=0) / (PAGE_SIZE - NUM_TOP)
+        tl.store(out, bulk_mean.to(tl.bfloat16))
+        tl.store(out + HEAD_SIZE, bulk_var.to(tl.bfloat16))
 
 
 def write_page_summaries(
@@ -223,13 +283,22 @@ def write_page_summaries(
 ) -> None:
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
-    Call after the KV scatter of the same tokens. Graph-safe: the grid is the
-    number of tokens; no host sync.
+    Call after the KV scatter of the same tokens. ``summaries`` is
+    ``[num_blocks, H_kv, 2 + r, D]``: its slot count selects the summary
+    (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r: bulk
+    mean and variance and the r farthest keys, for mvar_top{r}).
+    Graph-safe: the grid is the number of tokens; no host sync.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     head_size = kv_cache.shape[-1] // 2
+    num_top = summaries.shape[2] - 2
+    if num_top not in MOIRA_ESTIMATOR_NUM_TOP.values():
+        raise ValueError(
+            f"Moira: summaries must have {sorted(set(map(summary_slots, MOIRA_ESTIMATORS)))} "
+            f"slots, got shape {tuple(summaries.shape)}"
+        )
     assert kv_cache.stride(-1) == 1 and summaries.is_contiguous()
     kernel_moira_write_summaries[(num_tokens, kv_cache.shape[1])](
         kv_cache,
@@ -242,6 +311,7 @@ def write_page_summaries(
         summaries.stride(1),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
+        NUM_TOP=num_top,
     )
 
 
@@ -285,7 +355,7 @@ def _exact_page_logmass(
 def kernel_moira_estimate(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2, HEAD_SIZE] bf16
+    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP, HEAD_SIZE] bf16
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
@@ -306,6 +376,8 @@ def kernel_moira_estimate(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
+    REM_SPREAD: tl.constexpr = False,
+    NUM_TOP: tl.constexpr = 0,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -359,8 +431,34 @@ def kernel_moira_estimate(
         q_sq_hi = q_sq.to(tl.bfloat16)
         q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
         est = tl.dot(mean, tl.trans(q)) * scale
-        est += 0.5 * (tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo)))
-        est += tl.log(PAGE_SIZE * 1.0)
+        if REM_SPREAD:
+            # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of
+            # the random energy model over the m = 64 - r summarized keys,
+            # v / 2 up to v = 2 ln m, then linear in sqrt(v).
+            log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
+            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
+            v = tl.maximum(v, 0.0)
+            spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
+            est += spread + log_m
+            if NUM_TOP > 0:
+                # logaddexp of the bulk and the stored keys' exact logits
+                # (online: running max and sum of exp relative to it).
+                peak = est
+                total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
+                for j in tl.static_range(NUM_TOP):
+                    key = tl.load(
+                        summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
+                        mask=mask_p[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(key, tl.trans(q)) * scale
+                    new_peak = tl.maximum(peak, logit)
+                    total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
+                    peak = new_peak
+                est = peak + tl.log(total)
+        else:
+            est += 0.5 * (tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo)))
+            est += tl.log(PAGE_SIZE * 1.0)
         tl.store(
             lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
             est,
@@ -386,10 +484,20 @@ def estimate_page_logmass(
     seq_lens: torch.Tensor,
     logmass: torch.Tensor,
     scale: float,
+    estimator: str = "mvar",
 ) -> None:
-    """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2; sink and
-    current page exact). Grid covers ``block_table.shape[1]`` pages per row."""
+    """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
+    ``estimator``'s formula; sink and current page exact). ``summaries`` must
+    have ``summary_slots(estimator)`` slots. Grid covers
+    ``block_table.shape[1]`` pages per row."""
+    num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
+    if summaries.shape[2] != 2 + num_top:
+        raise ValueError(
+            f"Moira: estimator {estimator!r} needs a summary of {2 + num_top} slots "
+            f"[num_blocks, H_kv, {2 + num_top}, D], got shape {tuple(summaries.shape)}"
+        )
+    assert summaries.stride(3) == 1 and summaries.stride(2) == head_size
     num_kv_heads = kv_cache.shape[1]
     group_size = num_q_heads // num_kv_heads
     max_pages = min(block_table.shape[1], logmass.shape[-1])
@@ -421,6 +529,8 @@ def estimate_page_logmass(
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         TILE_PAGES=tile_pages,
+        REM_SPREAD=estimator != "mvar",
+        NUM_TOP=num_top,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
@@ -1030,12 +1140,15 @@ class MoiraWorkspace:
 
     def set_selector(self, config: MoiraConfig) -> None:
         """Switch gamma / the selector in place (host -> device copy; call it
-        between steps, never inside one). Attend's constants must not change:
-        graphs were captured with their grid."""
+        between steps, never inside one). Attend's constants and the estimator
+        must not change: graphs were captured with their grid and kernel
+        variant, and the summaries were written for the estimator."""
         config.validate()
-        attend_fields = ("min_chunk_pages", "min_splits_per_row", "min_splits_total")
-        if any(getattr(config, f) != getattr(self.config, f) for f in attend_fields):
-            raise ValueError(f"Moira: set_selector cannot change {attend_fields}")
+        # Attend's split constants are baked into captured grids; the
+        # estimator into the captured Estimate variant and the summary layout.
+        fixed_fields = ("min_chunk_pages", "min_splits_per_row", "min_splits_total", "estimator")
+        if any(getattr(config, f) != getattr(self.config, f) for f in fixed_fields):
+            raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
         self.config = config
 
@@ -1166,7 +1279,14 @@ def estimate_and_select(
     # so the grids cover only the pages the workspace was sized for.
     max_pages = min(block_table.shape[1], workspace.max_pages)
     estimate_page_logmass(
-        query, kv_cache, summaries, block_table, seq_lens, workspace.logmass, scale
+        query,
+        kv_cache,
+        summaries,
+        block_table,
+        seq_lens,
+        workspace.logmass,
+        scale,
+        workspace.config.estimator,
     )
     select_pages(
         workspace.logmass,
@@ -1251,6 +1371,7 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_MIN_CHUNK_PAGES": ("min_chunk_pages", int),
     "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
     "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
+    "MOIRA_ESTIMATOR": ("estimator", str),
 }
 
 
@@ -1870,7 +1991,7 @@ class MoiraImpl(FlashAttentionImpl):
 
         if self._summaries_key is not None:
             release_summaries(self._summaries_key)
-        self._summaries = acquire_summaries(kv_cache)
+        self._summaries = acquire_summaries(kv_cache, self.moira_config.summary_slots)
         self._summaries_key = summary_key(kv_cache)
 
     def release_kv_cache_extras(self, layer: torch.nn.Module) -> None:
@@ -1886,7 +2007,7 @@ class MoiraImpl(FlashAttentionImpl):
 
         if self.kv_sharing_target_layer_name is not None:
             return 0  # shares the target layer's KV view and summaries
-        return summary_bytes_for_kv_bytes(kv_cache_bytes)
+        return summary_bytes_for_kv_bytes(kv_cache_bytes, self.moira_config.summary_slots)
 
     def get_shared_kv_cache_extras_bytes(self) -> dict[str, int]:
         from vllm.v1.worker.moira_summaries import workspace_bytes
@@ -1920,7 +2041,7 @@ class MoiraImpl(FlashAttentionImpl):
             )
         if self._summaries_key is not None:
             release_summaries(self._summaries_key)  # KV view was replaced
-        self._summaries = acquire_summaries(kv_cache)
+        self._summaries = acquire_summaries(kv_cache, self.moira_config.summary_slots)
         self._summaries_key = key
         return self._summaries
 
