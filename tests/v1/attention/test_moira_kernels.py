@@ -25,6 +25,9 @@ from vllm_moira.v1.attention.ops import moira_reference as ref
 # Attend constants small enough that CPU-sized rows still split into several
 # chunks (the defaults C=24, N_J=32, N_T=4096 are exercised separately).
 SMALL_SPLITS = dict(min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8)
+# Decode-step tests run the default estimator (its summaries and Estimate);
+# estimator-specific kernels are tested in test_moira_estimator_kernels.py.
+DEFAULT_ESTIMATOR = moira.MOIRA_DEFAULT_ESTIMATOR
 BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2  # one bf16 ulp at |x| <= 1, plus fp32 noise
 
 
@@ -35,7 +38,7 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _batch(seq_lens, num_kv_heads, group, head_size, layout, pattern="random",
-           seed=0, extra_blocks=3):  # fmt: skip
+           seed=0, extra_blocks=3, estimator=DEFAULT_ESTIMATOR):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(s / PAGE) for s in seq_lens) + extra_blocks
     max_pages = max(1, max(math.ceil(s / PAGE) for s in seq_lens))
@@ -44,7 +47,8 @@ def _batch(seq_lens, num_kv_heads, group, head_size, layout, pattern="random",
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
     query = query.to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
-    summaries = torch.zeros(num_blocks, num_kv_heads, 2, head_size, dtype=torch.bfloat16)
+    summaries = torch.zeros(num_blocks, num_kv_heads, moira.summary_slots(estimator), head_size,
+                            dtype=torch.bfloat16)  # fmt: skip
     full = [
         int(table[r, p]) * PAGE + PAGE - 1 for r, s in enumerate(seq_lens) for p in range(s // PAGE)
     ]
@@ -92,7 +96,8 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     # different programs; 64: one tile holds the whole row.
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
     seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
-    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern)
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern,
+                                              estimator="mvar")  # fmt: skip
     scale = head_size**-0.5
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
                               moira.MoiraConfig(), "cpu")  # fmt: skip
@@ -351,7 +356,8 @@ def test_sparse_decode_matches_reference(layout, group, pattern, gamma):
     ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, gamma)
+    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, gamma,
+                                        estimator=DEFAULT_ESTIMATOR)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
             count = int(ws.page_count[row, h])

@@ -142,7 +142,8 @@ def build(case):
     table = make_block_table(seq_lens, num_blocks, width, generator=gen)
     query = torch.randn(len(seq_lens), hkv * group, d, generator=gen).to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, case["pattern"], generator=gen)
-    summaries = torch.zeros(num_blocks, hkv, 2, d, dtype=torch.bfloat16)
+    slots = moira.summary_slots(case.get("estimator", "mvar"))
+    summaries = torch.zeros(num_blocks, hkv, slots, d, dtype=torch.bfloat16)
     summarize_full_pages(kv, summaries, table, seq_lens)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     return kv, summaries, table, seq, query
@@ -203,6 +204,7 @@ def logmass_cases(draw):
 
 
 def _config(case, **splits):
+    splits = {"estimator": case.get("estimator", "mvar"), **splits}
     if case["fixed_pages"] is not None:
         return moira.MoiraConfig(selector="fixed", fixed_pages=case["fixed_pages"], **splits)
     if case["fixed_fraction"] is not None:
@@ -273,6 +275,8 @@ def decode_cases(draw):
     case["gamma"] = draw(st.one_of(st.just(1.0), st.floats(0.05, 1.0)))
     case["fixed_pages"] = draw(st.integers(1, 7)) if selector == "fixed" else None
     case["fixed_fraction"] = draw(st.floats(0.05, 1.0)) if selector == "fraction" else None
+    # The paper's estimator and the default (stored keys + REM spread term).
+    case["estimator"] = draw(st.sampled_from(sorted({"mvar", moira.MOIRA_DEFAULT_ESTIMATOR})))
     return case
 
 
@@ -298,7 +302,7 @@ def test_decode_step_property(case):
         n = math.ceil(seq_len / PAGE)
         # Estimate: the reference math on the same summaries.
         expected_lm = ref.estimate_row_logmass(
-            query[row], kv, summaries, table[row], seq_len, scale
+            query[row], kv, summaries, table[row], seq_len, scale, case["estimator"]
         )
         lm = ws.logmass[row, :, :, :n]
         torch.testing.assert_close(lm, expected_lm, atol=LOGMASS_ATOL, rtol=LOGMASS_RTOL)
@@ -412,7 +416,7 @@ def test_block_offsets_beyond_int32(layout):
     query = torch.randn(2, hkv * group, d, generator=gen).to(torch.bfloat16)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     for gamma in (1.0, 0.6):
-        config = moira.MoiraConfig(gamma=gamma, **SMALL_SPLITS)
+        config = moira.MoiraConfig(gamma=gamma, estimator="mvar", **SMALL_SPLITS)
         ws = moira.MoiraWorkspace(2, hkv * group, hkv, d, 5, config, "cpu")
         out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, d**-0.5)

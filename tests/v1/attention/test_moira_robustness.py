@@ -31,7 +31,8 @@ def _batch(seq_lens, width=None, layout="token_major", seed=0):
     kv = make_kv_cache(num_blocks, HKV, D, layout, generator=gen)
     table = make_block_table(seq_lens, num_blocks, width, generator=gen)
     query = torch.randn(len(seq_lens), HKV * GROUP, D, generator=gen).to(torch.bfloat16)
-    summaries = torch.zeros(num_blocks, HKV, 2, D, dtype=torch.bfloat16)
+    slots = moira.summary_slots(moira.MOIRA_DEFAULT_ESTIMATOR)  # the default's summaries
+    summaries = torch.zeros(num_blocks, HKV, slots, D, dtype=torch.bfloat16)
     full = [
         int(table[r, p]) * PAGE + PAGE - 1 for r, s in enumerate(seq_lens) for p in range(s // PAGE)
     ]
@@ -46,7 +47,8 @@ def _workspace(rows, width, **config):
 
 
 def _check_against_reference(ws, out, kv, summaries, table, seq, query, gamma):
-    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, SCALE, gamma)
+    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, SCALE, gamma,
+                                        estimator=moira.MOIRA_DEFAULT_ESTIMATOR)  # fmt: skip
     for row, seq_len in enumerate(seq.tolist()):
         if seq_len == 0:
             continue

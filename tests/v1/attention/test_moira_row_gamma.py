@@ -115,7 +115,8 @@ def test_decode_with_mixed_row_gamma_matches_reference(layout, group):
     out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
     effective = [g if g > 0 else SERVER_GAMMA for g in row_gamma]
-    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, effective)
+    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, effective,
+                                        estimator=moira.MOIRA_DEFAULT_ESTIMATOR)  # fmt: skip
     for row in range(len(seq_lens) - 1):
         for h in range(2):
             count = int(ws.page_count[row, h])

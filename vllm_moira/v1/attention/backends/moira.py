@@ -75,7 +75,7 @@ MOIRA_SELECTORS = ("coverage", "fixed")
 MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_rem": 0, "mvar_top2": 2, "mvar_top4": 4}
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 #: Estimator used when MOIRA_ESTIMATOR is unset (one-line switch).
-MOIRA_DEFAULT_ESTIMATOR = "mvar"
+MOIRA_DEFAULT_ESTIMATOR = "mvar_top4"
 
 # Estimate's launch configuration: pages per summary program ("each covering
 # 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
