@@ -393,9 +393,11 @@ def main() -> int:
             record = json.loads(out.read_text())
         except ValueError:
             record = {}
-    config = {
-        k: v for k, v in vars(args).items() if k not in ("rerun", "phases", "out", "gamma_check")
-    }
+    # What makes phases comparable (the workload and the server flags); budgets,
+    # ports and timeouts may differ between the invocations that build one record.
+    not_workload = ("rerun", "phases", "out", "gamma_check", "budget_s", "port",
+                    "startup_timeout", "request_timeout")  # fmt: skip
+    config = {k: v for k, v in vars(args).items() if k not in not_workload}
     if record.get("workload_config") not in (None, config):
         log("workload config differs from the one in --out: starting a fresh record")
         record = {}
