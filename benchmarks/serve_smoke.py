@@ -170,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default="shared/gpu/models/tokenizer-smollm2")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument(
+        "--load-format",
+        default="dummy",
+        help="vLLM --load-format: dummy (default; flat attention, every page ties) or auto for a "
+        "checkpoint such as benchmarks/make_random_model.py's",
+    )
     parser.add_argument("--startup-timeout", type=float, default=400.0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--log", default=None, help="server log path (default: next to --out)")
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, VLLM_ATTENTION_BACKEND=args.backend)
     command = [
-        "vllm", "serve", args.model, "--load-format", "dummy", "--tokenizer", args.tokenizer,
+        "vllm", "serve", args.model, "--load-format", args.load_format,
+        "--tokenizer", args.tokenizer,
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", "32",
         "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
