@@ -185,9 +185,12 @@ def test_summary_bytes_follow_the_slot_count(num_slots, fraction):
     ms.release_summaries(ms.summary_key(kv))
 
 
-@pytest.mark.parametrize("estimator, slots", [(None, 2), ("mvar_rem", 2), ("mvar_top4", 6)])
+@pytest.mark.parametrize(
+    "estimator, slots", [(None, 6), ("mvar", 2), ("mvar_rem", 2), ("mvar_top4", 6)]
+)
 def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator, slots):
-    """MOIRA_ESTIMATOR fixes the summary layout the impl allocates and accounts for."""
+    """MOIRA_ESTIMATOR fixes the summary layout the impl allocates and accounts for
+    (unset: the default, mvar_top4, 6 slots)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker import moira_summaries as ms
     from vllm.v1.worker.utils import bind_kv_cache_to_layers, clear_layer_kv_caches
@@ -246,15 +249,16 @@ def test_moira_impl_hook_end_to_end(tmp_path):
         base = ms.live_summary_bytes()
         bind_kv_cache_to_layers({n: shared_kv for n in names}, ctx)
         assert impls[0]._summaries is impls[1]._summaries
-        assert impls[0]._summaries.shape == (12, 2, 2, 64)
-        assert ms.live_summary_bytes() - base == 12 * 2 * 2 * 64 * 2
+        slots = mod.summary_slots(mod.MOIRA_DEFAULT_ESTIMATOR)
+        assert impls[0]._summaries.shape == (12, 2, slots, 64)
+        assert ms.live_summary_bytes() - base == 12 * 2 * slots * 64 * 2
 
         kv_bytes = shared_kv.numel() * 2
         ws_bytes = ms.workspace_bytes(cfg, 4, 2, 64)
         builder_ws = mod.MoiraWorkspace(8, 4, 2, 64, 1024 // 64, mod.MoiraConfig(), "cpu")
         assert ws_bytes == builder_ws.nbytes() > 0
         total = get_kv_cache_extras_bytes(list(ctx.values()), 2 * kv_bytes)
-        assert total == 2 * (kv_bytes // 64) + ws_bytes
+        assert total == 2 * (kv_bytes * slots // 128) + ws_bytes
 
         clear_layer_kv_caches(ctx.values())
         assert impls[0]._summaries is None and impls[1]._summaries is None
