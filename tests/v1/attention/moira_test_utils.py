@@ -107,3 +107,35 @@ def shape_attention(
                 key = kv_cache[blocks[page], h, tokens, :head_size].float()
                 key += strength * direction
                 kv_cache[blocks[page], h, tokens, :head_size] = key.to(kv_cache.dtype)
+
+
+def full_page_slots(block_table: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """Slot of the 64th token of every full page of the rows: where vLLM's
+    cache write completes a page, and so where Moira writes its summary."""
+    slots = [
+        int(block_table[r, p]) * PAGE + PAGE - 1
+        for r, s in enumerate(seq_lens)
+        for p in range(s // PAGE)
+    ]
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimator,
+                      pattern="random", seed=0, extra_blocks=3, query_scale=1.0):  # fmt: skip
+    """A decode batch on a shuffled paged cache with ``estimator``'s summaries
+    of every full page written by the kernel: (kv, summaries, block table,
+    seq_lens tensor, bf16 query)."""
+    from vllm_moira.v1.attention.backends import moira
+
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(s / PAGE) for s in seq_lens) + extra_blocks
+    max_pages = max(1, max(math.ceil(s / PAGE) for s in seq_lens))
+    kv = make_kv_cache(num_blocks, num_kv_heads, head_size, layout, generator=gen)
+    table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
+    query = (query * query_scale).to(torch.bfloat16)
+    shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
+    slots = moira.summary_slots(estimator)
+    summaries = torch.zeros(num_blocks, num_kv_heads, slots, head_size, dtype=torch.bfloat16)
+    moira.write_page_summaries(kv, summaries, full_page_slots(table, seq_lens))
+    return kv, summaries, table, torch.tensor(seq_lens, dtype=torch.int32), query

@@ -12,9 +12,8 @@ import torch
 
 from tests.v1.attention.moira_test_utils import (
     PAGE,
-    make_block_table,
+    make_decode_batch,
     make_kv_cache,
-    shape_attention,
 )
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
@@ -51,24 +50,7 @@ def _plant_outliers(kv: torch.Tensor, blocks: list[int], count: int, gen: torch.
                 kv[block, h, t, :head_size] = key.to(kv.dtype)
 
 
-def _batch(seq_lens, num_kv_heads, group, head_size, layout, estimator, pattern="random",
-           seed=0, extra_blocks=3, query_scale=1.0):  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(math.ceil(s / PAGE) for s in seq_lens) + extra_blocks
-    max_pages = max(1, max(math.ceil(s / PAGE) for s in seq_lens))
-    kv = make_kv_cache(num_blocks, num_kv_heads, head_size, layout, generator=gen)
-    table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen)
-    query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
-    query = (query * query_scale).to(torch.bfloat16)
-    shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
-    slots = moira.summary_slots(estimator)
-    summaries = torch.zeros(num_blocks, num_kv_heads, slots, head_size, dtype=torch.bfloat16)
-    full = [
-        int(table[r, p]) * PAGE + PAGE - 1 for r, s in enumerate(seq_lens) for p in range(s // PAGE)
-    ]
-    moira.write_page_summaries(kv, summaries, torch.tensor(full, dtype=torch.int64))
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    return kv, summaries, table, seq, query
+_batch = make_decode_batch
 
 
 # --------------------------------------------------------------------------
@@ -203,30 +185,8 @@ def test_estimate_rejects_wrong_summary_layout():
 # --------------------------------------------------------------------------
 # The whole step
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("estimator", "layout", "group", "pattern", "gamma"),
-    [
-        ("mvar_rem", "token_major", 3, "concentrated", 0.98),
-        ("mvar_top2", "head_major", 4, "outlier", 0.95),
-        ("mvar_top4", "token_major", 3, "outlier", 0.98),
-        ("mvar_top4", "head_major", 1, "random", 0.9),
-    ],
-)
-def test_sparse_decode_matches_reference(estimator, layout, group, pattern, gamma):
-    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, **SMALL_SPLITS)
-    seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
-    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, estimator,
-                                              pattern)  # fmt: skip
-    ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
-    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, gamma,
-                                        estimator=estimator)  # fmt: skip
-    for row in range(len(seq_lens)):
-        for h in range(2):
-            count = int(ws.page_count[row, h])
-            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
-    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+# The whole sparse step against ref.sparse_decode for every estimator:
+# test_moira_kernels.py::test_sparse_decode_matches_reference.
 
 
 @pytest.mark.parametrize("estimator", ["mvar_rem", "mvar_top4"])

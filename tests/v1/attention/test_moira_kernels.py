@@ -15,9 +15,9 @@ import torch
 
 from tests.v1.attention.moira_test_utils import (
     PAGE,
-    make_block_table,
+    full_page_slots,
+    make_decode_batch,
     make_kv_cache,
-    shape_attention,
 )
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
@@ -39,22 +39,8 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def _batch(seq_lens, num_kv_heads, group, head_size, layout, pattern="random",
            seed=0, extra_blocks=3, estimator=DEFAULT_ESTIMATOR):  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(math.ceil(s / PAGE) for s in seq_lens) + extra_blocks
-    max_pages = max(1, max(math.ceil(s / PAGE) for s in seq_lens))
-    kv = make_kv_cache(num_blocks, num_kv_heads, head_size, layout, generator=gen)
-    table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen)
-    query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
-    query = query.to(torch.bfloat16)
-    shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
-    summaries = torch.zeros(num_blocks, num_kv_heads, moira.summary_slots(estimator), head_size,
-                            dtype=torch.bfloat16)  # fmt: skip
-    full = [
-        int(table[r, p]) * PAGE + PAGE - 1 for r, s in enumerate(seq_lens) for p in range(s // PAGE)
-    ]
-    moira.write_page_summaries(kv, summaries, torch.tensor(full, dtype=torch.int64))
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    return kv, summaries, table, seq, query
+    return make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimator,
+                             pattern, seed, extra_blocks)  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -341,23 +327,28 @@ def test_gamma_one_equals_dense(layout, group, head_size):
 
 
 @pytest.mark.parametrize(
-    ("layout", "group", "pattern", "gamma"),
+    ("layout", "group", "pattern", "gamma", "estimator"),
     [
-        ("token_major", 3, "concentrated", 0.98),
-        ("head_major", 3, "outlier", 0.95),
-        ("token_major", 1, "diffuse", 0.9),
-        ("head_major", 4, "random", 0.98),
+        ("token_major", 3, "concentrated", 0.98, DEFAULT_ESTIMATOR),
+        ("head_major", 3, "outlier", 0.95, DEFAULT_ESTIMATOR),
+        ("token_major", 1, "diffuse", 0.9, DEFAULT_ESTIMATOR),
+        ("head_major", 4, "random", 0.98, DEFAULT_ESTIMATOR),
+        ("token_major", 3, "outlier", 0.98, "mvar"),
+        ("head_major", 4, "concentrated", 0.95, "mvar"),
+        ("token_major", 3, "concentrated", 0.98, "mvar_rem"),
+        ("head_major", 4, "outlier", 0.95, "mvar_top2"),
     ],
 )
-def test_sparse_decode_matches_reference(layout, group, pattern, gamma):
-    config = moira.MoiraConfig(gamma=gamma, **SMALL_SPLITS)
+def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimator):
+    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, **SMALL_SPLITS)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
-    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern)
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern,
+                                              estimator=estimator)  # fmt: skip
     ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
     expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, gamma,
-                                        estimator=DEFAULT_ESTIMATOR)  # fmt: skip
+                                        estimator=estimator)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
             count = int(ws.page_count[row, h])
@@ -467,9 +458,7 @@ def test_tensor_parallel_shards_equal_the_unsharded_step(layout):
         q_heads = slice(kv_heads.start * group, kv_heads.stop * group)
         kv_rank = kv[:, kv_heads].clone()  # the rank's own cache, same layout
         summaries_rank = torch.zeros_like(summaries[:, kv_heads])
-        full_pages = [int(table[r, p]) * PAGE + PAGE - 1
-                      for r, s in enumerate(seq_lens) for p in range(s // PAGE)]  # fmt: skip
-        moira.write_page_summaries(kv_rank, summaries_rank, torch.tensor(full_pages))
+        moira.write_page_summaries(kv_rank, summaries_rank, full_page_slots(table, seq_lens))
         assert torch.equal(summaries_rank, summaries[:, kv_heads])
         ws = moira.MoiraWorkspace(8, heads_per_rank * group, heads_per_rank, head_size,
                                   table.shape[1], config, "cpu")  # fmt: skip
