@@ -88,7 +88,7 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
                               moira.MoiraConfig(), "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale)
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, "mvar")
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(query[row], kv, summaries, table[row], seq_len, scale)

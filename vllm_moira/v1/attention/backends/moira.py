@@ -484,11 +484,12 @@ def estimate_page_logmass(
     seq_lens: torch.Tensor,
     logmass: torch.Tensor,
     scale: float,
-    estimator: str = "mvar",
+    estimator: str,
 ) -> None:
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
-    have ``summary_slots(estimator)`` slots. Grid covers
+    have ``summary_slots(estimator)`` slots (no default: the summaries decide,
+    and the config's default is not the paper's mvar). Grid covers
     ``block_table.shape[1]`` pages per row."""
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
