@@ -218,10 +218,13 @@ def test_config_from_env_values():
             "MOIRA_MIN_CHUNK_PAGES": "8",
             "MOIRA_MIN_SPLITS_PER_ROW": "4",
             "MOIRA_MIN_SPLITS_TOTAL": "128",
+            "MOIRA_ATTEND_FILL_BLOCKS": "1",
+            "MOIRA_DENSE_BATCH_TOKENS": "16384",
         }
     )
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
+    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (1, 16384)
 
 
 @pytest.mark.parametrize(
@@ -238,6 +241,8 @@ def test_config_from_env_values():
         ),
         ({"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"}, r"fixed_pages"),
         ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"min_chunk_pages must be an integer >= 1"),
+        ({"MOIRA_ATTEND_FILL_BLOCKS": "0"}, r"attend_fill_blocks must be an integer >= 1"),
+        ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"dense_batch_tokens must be an integer >= 0"),
         ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
     ],

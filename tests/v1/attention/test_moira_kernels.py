@@ -8,6 +8,7 @@ shapes run on the H200 in ``test_moira_kernels_gpu.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -24,7 +25,11 @@ from vllm_moira.v1.attention.ops import moira_reference as ref
 
 # Attend constants small enough that CPU-sized rows still split into several
 # chunks (the defaults C=24, N_J=32, N_T=4096 are exercised separately).
-SMALL_SPLITS = dict(min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8)
+# attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
+# their boundaries (the fill rule has tests of its own).
+SMALL_SPLITS = dict(
+    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
+)
 # Decode-step tests run the default estimator (its summaries and Estimate);
 # estimator-specific kernels are tested in test_moira_estimator_kernels.py.
 DEFAULT_ESTIMATOR = moira.MOIRA_DEFAULT_ESTIMATOR
@@ -378,18 +383,85 @@ def test_attend_accepts_any_page_list():
                                    rtol=BF16_RTOL)  # fmt: skip
 
 
+def _chunks_written(ws, row, num_splits, num_q_heads):
+    """Chunks of ``row`` whose partial LSE Attend wrote (buffers start NaN)."""
+    lse = ws.partial_lse[row * num_splits : (row + 1) * num_splits, :num_q_heads]
+    return int(lse.isfinite().all(dim=1).sum())
+
+
 def test_default_split_constants_single_and_multi_chunk():
-    """C=24, N_J=32, N_T=4096: a 24-page row is one chunk written by Attend
-    directly; a 25-page row is two chunks combined by Merge."""
-    config = moira.MoiraConfig(gamma=1.0)
+    """Eq. 4 exactly (attend_fill_blocks=1) with C=24, N_J=32, N_T=4096: a
+    24-page row is one chunk written by Attend directly; a 25-page row is
+    two chunks combined by Merge."""
+    config = moira.MoiraConfig(gamma=1.0, attend_fill_blocks=1)
     seq_lens = [24 * PAGE, 25 * PAGE]
     kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "head_major")
     ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
-    assert config.num_splits(2, 1) == 2048
+    ws.partial_lse.fill_(float("nan"))
+    num_splits = config.num_splits(2, 1)
+    assert num_splits == 2048
     out = torch.empty_like(query)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
     dense = ref.dense_decode(query, kv, table, seq, 0.125)
     torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
+    assert _chunks_written(ws, 0, num_splits, 2) == 0  # one chunk: written to out
+    assert _chunks_written(ws, 1, num_splits, 2) == 2
+
+
+@pytest.mark.parametrize(("fill_blocks", "chunks"), [(1, [0, 2]), (512, [24, 25]), (16, [8, 7])])
+def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(fill_blocks, chunks):
+    """attend_fill_blocks N_F: 2 lists of 24 and 25 pages cannot give N_F
+    blocks of C = 24 pages, so chunks shrink to ceil(n * 2 / N_F) pages: one
+    page at the default 512 (24 and 25 chunks), 3 and 4 pages at 16 (8 and 7
+    chunks); N_F = 1 is Eq. 4. The output equals dense attention each time."""
+    config = moira.MoiraConfig(gamma=1.0, attend_fill_blocks=fill_blocks)
+    seq_lens = [24 * PAGE, 25 * PAGE]
+    kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "token_major", seed=3)
+    ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
+    ws.partial_lse.fill_(float("nan"))
+    num_splits = config.num_splits(2, 1)
+    out = torch.empty_like(query)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    dense = ref.dense_decode(query, kv, table, seq, 0.125)
+    torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
+    written = [_chunks_written(ws, row, num_splits, 2) for row in range(2)]
+    assert written == chunks
+
+
+def test_dense_batch_tokens_reads_short_rows_whole():
+    """Rows whose pages x decode rows <= dense_batch_tokens / 64 skip Estimate
+    (their log-masses stay unwritten) and keep every page; longer rows in
+    the same batch go through the coverage rule as usual."""
+    seq_lens = [64 * 3 + 5, 64 * 12, 64 * 20]  # 4, 12, 20 pages; x 3 rows: 12, 36, 60
+    config = moira.MoiraConfig(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_SPLITS)
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
+    ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
+    ws.logmass.fill_(float("nan"))
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    dense = ref.dense_decode(query, kv, table, seq, 0.125)
+    expected, lists = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, 0.5,
+                                        estimator=config.estimator)  # fmt: skip
+    for row in (0, 1):
+        n = math.ceil(seq_lens[row] / PAGE)
+        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.page_list[row, :, :n].tolist() == [list(range(n))] * 2
+        assert ws.logmass[row].isnan().all(), "Estimate ran on a dense row"
+        torch.testing.assert_close(out[row].float(), dense[row], atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)  # fmt: skip
+    for h in range(2):
+        count = int(ws.page_count[2, h])
+        assert ws.page_list[2, h, :count].tolist() == lists[2][h].tolist()
+        assert count < 20, "the long row should be sparse at gamma=0.5"
+    torch.testing.assert_close(out[2].float(), expected[2], atol=BF16_ATOL, rtol=BF16_RTOL)
+    # Switched off in place (graphs read it from selector_params): all sparse.
+    ws.set_selector(dataclasses.replace(config, dense_batch_tokens=0))
+    ws.logmass.fill_(float("nan"))
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    for row in range(3):
+        for h in range(2):
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
 def test_merge_matches_reference_lse_combine():
@@ -418,6 +490,8 @@ def test_merge_matches_reference_lse_combine():
         (dict(selector="fixed", fixed_pages=3, fixed_fraction=0.5), "exactly one of"),
         (dict(fixed_pages=4), "only used with selector='fixed'"),
         (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
+        (dict(attend_fill_blocks=0), "attend_fill_blocks must be an integer >= 1"),
+        (dict(dense_batch_tokens=-64), "dense_batch_tokens must be an integer >= 0"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):

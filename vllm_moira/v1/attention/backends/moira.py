@@ -120,6 +120,18 @@ class MoiraConfig:
     min_splits_per_row: int = 32
     #: N_T: fewest Attend blocks per grid (so a few long rows fill the GPU).
     min_splits_total: int = 4096
+    #: N_F: working Attend blocks a grid aims for before chunks grow to C.
+    #: A chunk is max(ceil(n / J), min(C, ceil(n * B * H_kv / N_F))) pages:
+    #: Eq. 4 when the batch has enough pages (n * B * H_kv >= C * N_F), and
+    #: smaller chunks when it has not (batch 1, short rows), where C pages in
+    #: one block would be a serial chain of page reads. 1 = Eq. 4 exactly.
+    attend_fill_blocks: int = 512
+    #: Rows with (context tokens) x (decode rows in the batch) at or below
+    #: this read every page: Estimate and Select skip them (their cost is a
+    #: fixed latency that reading a small batch's few pages does not repay).
+    #: Decided per row on the GPU from the row's length and the batch size;
+    #: 0 = off (every row goes through Estimate and Select).
+    dense_batch_tokens: int = 0
     #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary layout
     #: (``summary_slots``) when the KV cache is allocated.
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
@@ -157,10 +169,16 @@ class MoiraConfig:
                 f"got fixed_pages={self.fixed_pages!r}, fixed_fraction="
                 f"{self.fixed_fraction!r} with selector={self.selector!r}"
             )
-        for name in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
+        for name in ("min_chunk_pages", "min_splits_per_row", "min_splits_total",
+                     "attend_fill_blocks"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Moira: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.dense_batch_tokens, int) or self.dense_batch_tokens < 0:
+            raise ValueError(
+                "Moira: dense_batch_tokens must be an integer >= 0 (0 = off), "
+                f"got {self.dense_batch_tokens!r}"
+            )
         if self.estimator not in MOIRA_ESTIMATORS:
             raise ValueError(
                 f"Moira: estimator must be one of {MOIRA_ESTIMATORS} "
@@ -172,11 +190,18 @@ class MoiraConfig:
         """Slots of the page summary this config's estimator reads."""
         return summary_slots(self.estimator)
 
-    def selector_values(self) -> tuple[float, float, float]:
-        """(gamma, K, fraction) as Select reads them; 0 turns a field off."""
+    def selector_values(self) -> tuple[float, float, float, float]:
+        """(gamma, K, fraction, dense batch pages) as Estimate and Select read
+        them; 0 turns a field off."""
+        dense_pages = float(self.dense_batch_tokens // MOIRA_PAGE_SIZE)
         if self.selector == "fixed":
-            return (self.gamma, float(self.fixed_pages or 0), float(self.fixed_fraction or 0.0))
-        return (self.gamma, 0.0, 0.0)
+            return (
+                self.gamma,
+                float(self.fixed_pages or 0),
+                float(self.fixed_fraction or 0.0),
+                dense_pages,
+            )
+        return (self.gamma, 0.0, 0.0, dense_pages)
 
     def num_splits(self, num_rows: int, num_kv_heads: int) -> int:
         """J of Eq. 4: Attend blocks per (row, KV head) for a batch of rows."""
@@ -359,6 +384,7 @@ def kernel_moira_estimate(
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
+    selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (0 = off)
     scale,
     stride_q_row: tl.int64,
     stride_q_head: tl.int64,
@@ -400,6 +426,9 @@ def kernel_moira_estimate(
     # a one-page row (its current page is the sink page, z = 0 has it).
     idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
     idle = idle | ((z == 1) & (last == 0))
+    # Rows that Select keeps whole (dense_batch_tokens) need no estimate.
+    dense_pages = tl.load(selector_ptr + 3)
+    idle = idle | ((num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages)
     if idle:
         return
     offs_d = tl.arange(0, HEAD_SIZE)
@@ -476,6 +505,16 @@ def kernel_moira_estimate(
         tl.store(lm_row + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
 
+_ESTIMATE_ALL_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _estimate_all_rows(device: torch.device) -> torch.Tensor:
+    """Selector values with the dense-row skip off (cached per device)."""
+    if device not in _ESTIMATE_ALL_ROWS:
+        _ESTIMATE_ALL_ROWS[device] = torch.zeros(4, dtype=torch.float32, device=device)
+    return _ESTIMATE_ALL_ROWS[device]
+
+
 def estimate_page_logmass(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -485,12 +524,15 @@ def estimate_page_logmass(
     logmass: torch.Tensor,
     scale: float,
     estimator: str,
+    selector_params: torch.Tensor | None = None,
 ) -> None:
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
     have ``summary_slots(estimator)`` slots (no default: the summaries decide,
     and the config's default is not the paper's mvar). Grid covers
-    ``block_table.shape[1]`` pages per row."""
+    ``block_table.shape[1]`` pages per row. ``selector_params``
+    (``MoiraWorkspace.selector_params``): rows that Select will keep whole
+    (``dense_batch_tokens``) are skipped; None estimates every row."""
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
     if summaries.shape[2] != 2 + num_top:
@@ -506,6 +548,8 @@ def estimate_page_logmass(
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
+    if selector_params is None:
+        selector_params = _estimate_all_rows(logmass.device)
     kernel_moira_estimate[grid](
         query,
         kv_cache,
@@ -513,6 +557,7 @@ def estimate_page_logmass(
         block_table,
         seq_lens,
         logmass,
+        selector_params,
         scale,
         query.stride(0),
         query.stride(1),
@@ -746,7 +791,8 @@ def kernel_moira_select(
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
     page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
     read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
-    selector_ptr,  # [3] fp32: gamma, fixed pages K (0 = off), fixed fraction (0 = off)
+    selector_ptr,  # [4] fp32: gamma, fixed K (0 = off), fixed fraction (0 = off),
+    # dense batch pages (0 = off)
     row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
     stride_lm_row: tl.int64,
     stride_lm_head: tl.int64,
@@ -790,6 +836,16 @@ def kernel_moira_select(
     lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     pib_ptr = pibar_ptr + row * stride_pib_row + head * stride_pib_head
     out = page_list_ptr + row * stride_pl_row + head * stride_pl_head
+    dense_pages = tl.load(selector_ptr + 3)
+    if (num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages:
+        # dense_batch_tokens: the whole row, in page order (Estimate skipped it).
+        for start in range(0, num_pages, SHORT_TILE_PAGES):
+            pages = start + tl.arange(0, SHORT_TILE_PAGES)
+            tl.store(out + pages, pages, mask=pages < num_pages)
+        tl.store(count_ptr, num_pages)
+        tl.atomic_add(read_stats_ptr, num_pages.to(tl.int64))  # type: ignore[attr-defined]
+        tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
+        return
     if SHORT_TILE_PAGES < TILE_PAGES:
         if num_pages < SHORT_TILE_PAGES:
             _select_row(
@@ -823,8 +879,8 @@ def select_pages(
 ) -> None:
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
-    ``selector_params`` is the fp32 ``[3]`` device tensor of
-    ``MoiraWorkspace`` (gamma, K, fraction). ``row_gamma`` (fp32, at least
+    ``selector_params`` is the fp32 ``[4]`` device tensor of
+    ``MoiraWorkspace`` (gamma, K, fraction, dense batch pages). ``row_gamma`` (fp32, at least
     ``num_rows``; ``MoiraWorkspace.row_gamma``) overrides gamma per row where
     it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept
     and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
@@ -874,7 +930,18 @@ def select_pages(
 # ==========================================================================
 # Attend (Eq. 4, Alg. 2) and Merge
 # ==========================================================================
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages"])
+@triton.jit
+def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, num_lists):
+    # Pages per Attend chunk of a list of n pages (Eq. 4 with a fill rule):
+    # at least ceil(n / J) so that J blocks cover the list; otherwise C, or
+    # less when the batch's num_lists lists of about n pages could not give
+    # fill_blocks blocks C pages each (batch 1, short rows).
+    fill = tl.cdiv(n * num_lists, fill_blocks)
+    chunk = tl.maximum(tl.cdiv(n, num_splits), tl.minimum(min_chunk_pages, fill))
+    return tl.maximum(chunk, 1)
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_moira_attend(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
@@ -888,6 +955,7 @@ def kernel_moira_attend(
     scale,
     num_splits,
     min_chunk_pages,
+    fill_blocks,
     stride_q_row: tl.int64,
     stride_q_head: tl.int64,
     stride_kv_block: tl.int64,
@@ -906,13 +974,14 @@ def kernel_moira_attend(
 ):
     # Block (row, KV head, j) plans its own work (Alg. 2): it reads the
     # list length n from device memory, cuts the row into chunks of
-    # c = max(C, ceil(n / J)) pages and takes chunk j, or exits. All G query
+    # c = _chunk_pages(n) pages and takes chunk j, or exits. All G query
     # heads of the KV head share each K/V tile, so every byte is read once.
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(page_count_ptr + row * stride_pc_row + head)
-    chunk = tl.maximum(min_chunk_pages, tl.cdiv(n, num_splits))
+    num_lists = tl.num_programs(0) * tl.num_programs(1)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, num_lists)
     num_chunks = tl.cdiv(n, chunk)
     if split >= num_chunks:
         return
@@ -971,7 +1040,7 @@ def kernel_moira_attend(
         tl.store(partial_lse_ptr + part + q_heads, lse, mask=mask_g)
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages"])
+@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_moira_merge(
     page_count_ptr,  # [max_rows, num_kv_heads] int32
     partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32
@@ -979,6 +1048,7 @@ def kernel_moira_merge(
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
     num_splits,
     min_chunk_pages,
+    fill_blocks,
     stride_pc_row: tl.int64,
     stride_o_row: tl.int64,
     stride_o_head: tl.int64,
@@ -992,7 +1062,9 @@ def kernel_moira_merge(
     q_head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
     n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
-    chunk = tl.maximum(min_chunk_pages, tl.cdiv(n, num_splits))
+    # Attend's grid had num_rows * H_kv lists: the same chunking as there.
+    num_lists = tl.num_programs(0) * (num_q_heads // GROUP_SIZE)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, num_lists)
     num_chunks = tl.cdiv(n, chunk)
     if num_chunks <= 1:
         return
@@ -1147,7 +1219,13 @@ class MoiraWorkspace:
         config.validate()
         # Attend's split constants are baked into captured grids; the
         # estimator into the captured Estimate variant and the summary layout.
-        fixed_fields = ("min_chunk_pages", "min_splits_per_row", "min_splits_total", "estimator")
+        fixed_fields = (
+            "min_chunk_pages",
+            "min_splits_per_row",
+            "min_splits_total",
+            "attend_fill_blocks",
+            "estimator",
+        )
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed_fields):
             raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
@@ -1223,6 +1301,7 @@ def attend(
         scale,
         num_splits,
         config.min_chunk_pages,
+        config.attend_fill_blocks,
         query.stride(0),
         query.stride(1),
         kv_cache.stride(0),
@@ -1247,6 +1326,7 @@ def attend(
         output,
         num_splits,
         config.min_chunk_pages,
+        config.attend_fill_blocks,
         page_count.stride(0),
         output.stride(0),
         output.stride(1),
@@ -1288,6 +1368,7 @@ def estimate_and_select(
         workspace.logmass,
         scale,
         workspace.config.estimator,
+        workspace.selector_params,
     )
     select_pages(
         workspace.logmass,
@@ -1373,6 +1454,8 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
     "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
     "MOIRA_ESTIMATOR": ("estimator", str),
+    "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
+    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
 }
 
 
