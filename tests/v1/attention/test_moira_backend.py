@@ -207,6 +207,9 @@ def test_config_defaults():
     cfg = moira_module().moira_config_from_env({})
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
+    # The backend reads rows of small batches whole; the kernel API does not.
+    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (512, 32768)
+    assert moira_module().MoiraConfig().dense_batch_tokens == 0
 
 
 def test_config_from_env_values():

@@ -1459,12 +1459,21 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
 }
 
 
+#: Defaults of the serving backend that differ from MoiraConfig's (the kernel
+#: API's defaults are the paper's algorithm): rows of small decode batches
+#: are read whole (measured on the H200: at batch 1 up to 32k tokens the
+#: Estimate + Select latency costs more than the pages it saves;
+#: docs/benchmarks.md).
+MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {"dense_batch_tokens": 32768}
+
+
 def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
     """Build and validate the MoiraConfig from MOIRA_* environment variables.
 
     Unset variables keep the paper's defaults (gamma 0.98, coverage selector,
-    C=24, N_J=32, N_T=4096). Unknown MOIRA_* names are rejected so a typo
-    (e.g. MOIRA_GAMA) cannot silently run with the default.
+    C=24, N_J=32, N_T=4096) and MOIRA_BACKEND_DEFAULTS. Unknown MOIRA_* names
+    are rejected so a typo (e.g. MOIRA_GAMA) cannot silently run with the
+    default.
     """
     environ = os.environ if environ is None else environ
     # Other MOIRA_* names belong to the project's tooling (MOIRA_VENV,
@@ -1481,7 +1490,7 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
             f"Moira: unknown environment variable(s) {unknown}; "
             f"supported: {sorted(_MOIRA_ENV_FIELDS)}"
         )
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(MOIRA_BACKEND_DEFAULTS)
     for env_name, (field_name, kind) in _MOIRA_ENV_FIELDS.items():
         raw = environ.get(env_name)
         if raw is None or raw.strip() == "":
@@ -1928,6 +1937,12 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self._init_reorder_batch_threshold(1)
         self.supports_draft_decode_metadata_update = False
         self.moira_config = moira_config_from_env()
+        logger.info_once(
+            "MOIRA decode: %s (rows with context x decode rows <= %d tokens read every "
+            "page: MOIRA_DENSE_BATCH_TOKENS, 0 = off)",
+            self.moira_config,
+            self.moira_config.dense_batch_tokens,
+        )
         if kv_cache_spec.block_size % MOIRA_PAGE_SIZE != 0:
             raise ValueError(
                 f"MOIRA needs a KV cache block size that is a multiple of "

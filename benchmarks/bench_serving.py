@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving throughput, dense FA3 vs Moira (paper Table 5 protocol; H200).
+
+Per arm, one ``vllm serve`` (Llama-3.1-8B config, dummy weights, SmolLM2
+tokenizer, block size 64, prefix caching off) and, per concurrency, one
+closed-loop ``vllm bench serve`` run: random prompts, ``--random-output-len``
+tokens with ``--ignore-eos``. Set A: prompts of 4k-64k tokens (uniform),
+set B: 64k-126k. Rows: output tokens/s, median and p90 TPOT, median TTFT.
+
+Arms:
+- ``dense``: ``--attention-backend FLASH_ATTN``.
+- ``moira``: ``VLLM_ATTENTION_BACKEND=MOIRA`` with the environment given by
+  ``--moira-env`` (default: the fixed-count selector at 30% of the pages, the
+  paper's gamma=0.98 read fraction near set A's mean context; dummy weights
+  have flat attention, where the coverage rule keeps every page).
+
+Bounded: ``--budget-s`` covers the whole invocation; a server is always
+killed; the JSON is rewritten after every run.
+
+    python benchmarks/bench_serving.py --set A --concurrency 1,16 \\
+        --out benchmarks/results/serving_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+# (mean input length, input range ratio): uniform in mean * (1 -+ ratio).
+SETS = {"A": (34816, 0.8823), "B": (95232, 0.3118)}
+DEFAULT_MOIRA_ENV = "MOIRA_SELECTOR=fixed,MOIRA_FIXED_FRACTION=0.3"
+
+
+def log(*parts) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def vllm_exe() -> list[str]:
+    if shutil.which("vllm"):
+        return ["vllm"]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def parse_env(text: str) -> dict[str, str]:
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"--moira-env must be NAME=VALUE,... got {text!r}")
+    return dict(pairs)  # type: ignore[arg-type]
+
+
+def stop(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+            server.wait(timeout=30)
+            return
+        except Exception:
+            continue
+
+
+def wait_healthy(server: subprocess.Popen, base: str, deadline: float, log_path: Path) -> None:
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with {server.returncode} (see {log_path})")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=5)
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise TimeoutError(f"no /health before the deadline (see {log_path})") from None
+            time.sleep(2)
+
+
+def bench_command(args, base: str, concurrency: int, result_dir: str, name: str) -> list[str]:
+    mean_len, ratio = SETS[args.set]
+    return vllm_exe() + [
+        "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", args.model,
+        "--tokenizer", args.tokenizer, "--dataset-name", "random",
+        "--random-input-len", str(mean_len), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", json.dumps({"input": ratio, "output": 0.0}),
+        "--num-prompts", str(max(args.min_prompts, args.waves * concurrency)),
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
+        "--save-result", "--result-dir", result_dir, "--result-filename", name,
+        "--disable-tqdm",
+    ]  # fmt: skip
+
+
+def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOIRA_")}
+    env.pop("VLLM_ATTENTION_BACKEND", None)
+    extra_env = {"VLLM_ATTENTION_BACKEND": "MOIRA", **parse_env(args.moira_env)}
+    if arm == "dense":
+        extra_env = {}
+    env.update(extra_env)
+    mean_len, ratio = SETS[args.set]
+    max_len = int(mean_len * (1 + ratio)) + args.output_len + 64
+    serve = vllm_exe() + [
+        "serve", args.model, "--load-format", "dummy", "--tokenizer", args.tokenizer,
+        "--block-size", "64", "--max-model-len", str(max_len), "--no-enable-prefix-caching",
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--max-num-seqs", str(max(int(c) for c in args.concurrency.split(","))),
+        "--seed", "0", "--host", "127.0.0.1", "--port", str(args.port),
+    ]  # fmt: skip
+    if arm == "dense":
+        serve += ["--attention-backend", "FLASH_ATTN"]
+    command = " ".join(f"{k}={v}" for k, v in extra_env.items()) + " " + " ".join(serve)
+    log_path = Path(args.log_dir) / f"serving_{arm}_server.log"
+    base = f"http://127.0.0.1:{args.port}"
+    start = time.time()
+    with open(log_path, "w") as server_log:
+        server = subprocess.Popen(serve, env=env, stdout=server_log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+        try:
+            wait_healthy(server, base, deadline - 60, log_path)
+            log(f"[{arm}] server up after {time.time() - start:.0f} s")
+            for concurrency in (int(c) for c in args.concurrency.split(",")):
+                if time.time() > deadline - 30:
+                    log(f"[{arm}] concurrency {concurrency}: skipped (budget)")
+                    continue
+                with tempfile.TemporaryDirectory() as result_dir:
+                    name = f"{arm}_c{concurrency}.json"
+                    bench = bench_command(args, base, concurrency, result_dir, name)
+                    bench_log = Path(args.log_dir) / f"serving_{arm}_c{concurrency}.log"
+                    timeout = max(10.0, deadline - time.time())
+                    with open(bench_log, "w") as out:
+                        run = subprocess.run(bench, env=env, stdout=out,
+                                             stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
+                    rc = run.returncode
+                    result_path = Path(result_dir) / name
+                    if rc != 0 or not result_path.exists():
+                        raise RuntimeError(f"bench serve rc={rc} (see {bench_log})")
+                    result = json.loads(result_path.read_text())
+                row = {
+                    "model": Path(args.model).name,
+                    "set": args.set,
+                    "arm": arm,
+                    "concurrency": concurrency,
+                    "num_prompts": result.get("num_prompts", result.get("completed")),
+                    "completed": result.get("completed"),
+                    "output_tok_s": result.get("output_throughput"),
+                    "median_tpot_ms": result.get("median_tpot_ms"),
+                    "p90_tpot_ms": result.get("p90_tpot_ms"),
+                    "median_ttft_ms": result.get("median_ttft_ms"),
+                    "duration_s": result.get("duration"),
+                    "server_command": command,
+                    "bench_command": " ".join(bench),
+                }
+                record["rows"].append(row)
+                save()
+                log(f"[{arm}] c={concurrency}: {row['output_tok_s']:.1f} tok/s, "
+                    f"median TPOT {row['median_tpot_ms']:.2f} ms")  # fmt: skip
+        except Exception as error:
+            record.setdefault("errors", []).append(f"{arm}: {error!r}")
+            save()
+            log(f"[{arm}] FAILED: {error!r}")
+        finally:
+            stop(server)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--set", choices=sorted(SETS), default="A")
+    p.add_argument("--arms", default="dense,moira")
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--waves", type=int, default=2, help="prompts = waves x concurrency")
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--moira-env", default=DEFAULT_MOIRA_ENV)
+    p.add_argument("--model", default="shared/gpu/models/Llama-3.1-8B")
+    p.add_argument("--tokenizer", default="shared/gpu/models/tokenizer-smollm2")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--port", type=int, default=8041)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=570.0, help="whole invocation")
+    p.add_argument("--log-dir", default=tempfile.gettempdir())
+    p.add_argument("--out", default="benchmarks/results/serving_h200.json")
+    args = p.parse_args()
+    parse_env(args.moira_env)
+    deadline = time.time() + args.budget_s
+    record = {"command": "python " + " ".join(sys.argv), "set": args.set, "rows": []}
+    try:
+        import torch
+
+        record["gpu"] = torch.cuda.get_device_name()
+    except Exception:
+        record["gpu"] = None
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+    for arm in args.arms.split(","):
+        if arm not in ("dense", "moira"):
+            raise SystemExit(f"--arms: unknown arm {arm!r} (dense, moira)")
+        run_arm(arm, args, record, save, deadline)
+    by_key = {(r["arm"], r["concurrency"]): r for r in record["rows"]}
+    record["gains"] = {
+        f"c{c}": by_key[("moira", c)]["output_tok_s"] / by_key[("dense", c)]["output_tok_s"] - 1
+        for (arm, c) in by_key
+        if arm == "dense" and ("moira", c) in by_key
+    }
+    save()
+    log("gains (output tok/s, moira/dense - 1):", record["gains"])
+
+
+if __name__ == "__main__":
+    main()
