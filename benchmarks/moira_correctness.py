@@ -149,8 +149,10 @@ def dense_reference_rows(case, rows):
 # --------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------
-def check_gamma_one(case):
-    config = moira.MoiraConfig(gamma=1.0)
+def check_gamma_one(case, config=None):
+    """``config`` (gamma must be 1): default MoiraConfig(gamma=1.0)."""
+    config = config or moira.MoiraConfig(gamma=1.0)
+    assert config.gamma == 1.0 and config.selector == "coverage"
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     counts = ws.page_count[:batch].cpu()
@@ -170,10 +172,11 @@ def check_gamma_one(case):
     }  # fmt: skip
 
 
-def check_graph_replay(case, gamma=0.98):
+def check_graph_replay(case, gamma=0.98, config=None):
     """Capture at the case's lengths, replay at the same and at shorter
-    lengths (changed in place under the graph), compare with eager bits."""
-    config = moira.MoiraConfig(gamma=gamma)
+    lengths (changed in place under the graph), compare with eager bits.
+    ``config`` overrides ``MoiraConfig(gamma=gamma)``."""
+    config = config or moira.MoiraConfig(gamma=gamma)
     ws = workspace(case, config)
     out = torch.zeros_like(case["query"])
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])

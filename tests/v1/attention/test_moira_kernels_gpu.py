@@ -58,3 +58,42 @@ def test_layouts_bitwise_equal(case):
     from benchmarks import moira_correctness as mc
 
     assert mc.check_layouts(case)["bitwise_equal"]
+
+
+# Small batches with the serving backend's settings: the Attend fill rule cuts
+# batch-1 lists into small chunks, and rows of context x batch <= 32768 tokens
+# take the dense-row path (identity lists, no Estimate work).
+SMALL_BATCH_SHAPES = [(1, 2048), (1, 65536), (2, 12288)]
+
+
+@pytest.fixture(scope="module", params=SMALL_BATCH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def small_case(request):
+    from benchmarks import moira_correctness as mc
+
+    batch, context = request.param
+    return mc.build_case(batch, context)
+
+
+def _backend_config(**changes):
+    import dataclasses
+
+    from vllm.v1.attention.backends import moira
+
+    return dataclasses.replace(moira.moira_config_from_env({}), **changes)
+
+
+def test_small_batch_gamma_one_matches_fa3(small_case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_gamma_one(small_case, _backend_config(gamma=1.0))
+    assert result["keeps_every_page"] and result["all_finite"], result
+    assert result["max_abs_diff_vs_fa3"] <= result["bound_one_bf16_ulp"], result
+
+
+def test_small_batch_graph_replay_equals_eager_bitwise(small_case):
+    # Shorter and mixed lengths under the captured graph move rows across the
+    # dense-row threshold (1 x 65536 -> 21845 tokens: dense), both ways.
+    from benchmarks import moira_correctness as mc
+
+    for name, result in mc.check_graph_replay(small_case, config=_backend_config()).items():
+        assert result["bitwise_equal"] and result["lists_equal"], name
