@@ -159,10 +159,17 @@ def _gamma_p(a: float, x: float) -> float:
     return 1.0 - math.exp(log_pre) * h
 
 
-def lengths_from_fractions(count: int, n_pages: int, fractions, seed: int = 0) -> np.ndarray:
-    """``count`` lengths drawn (with replacement) from real kept fractions."""
+def lengths_from_fractions(
+    count: int, n_pages: int, fractions, seed: int = 0, mean_fraction: float | None = None
+) -> np.ndarray:
+    """``count`` lengths drawn (with replacement) from real kept fractions;
+    with ``mean_fraction`` the fractions are first scaled to that mean (their
+    spread, the CV, is kept), so "real" rows compare with the CV 0 / 1 rows
+    at the same reads."""
     rng = np.random.default_rng(seed)
     f = np.asarray(fractions, dtype=np.float64)
+    if mean_fraction is not None:
+        f = f * (mean_fraction / f.mean())
     pick = f[rng.integers(0, f.size, size=count)]
     return np.clip(np.rint(pick * n_pages), 2, n_pages).astype(np.int64)
 
@@ -510,7 +517,8 @@ def main() -> int:
         count = batch * HKV
         for cv in cvs:
             if cv == "real":
-                lengths = lengths_from_fractions(count, shape.n_pages, fractions, seed=args.seed)
+                lengths = lengths_from_fractions(count, shape.n_pages, fractions, seed=args.seed,
+                                                 mean_fraction=args.mean_fraction)  # fmt: skip
             else:
                 lengths = list_lengths(count, shape.n_pages, args.mean_fraction, float(cv),
                                        seed=args.seed + 7)  # fmt: skip

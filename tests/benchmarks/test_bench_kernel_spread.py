@@ -88,6 +88,10 @@ def test_real_fractions(tmp_path):
     fr = ks.load_fractions(str(path))
     lengths = ks.lengths_from_fractions(64, 2048, fr, seed=0)
     assert set(np.unique(lengths)) <= {round(f * 2048) for f in fr}
+    # Scaled to a mean of 0.22 (from 0.35): the same three lengths, times 0.22 / 0.35.
+    scaled = ks.lengths_from_fractions(64, 2048, fr, seed=0, mean_fraction=0.22)
+    assert set(np.unique(scaled)) <= {round(f * 0.22 / 0.35 * 2048) for f in fr}
+    assert abs(scaled.mean() / 2048 - 0.22) < 0.02
     path.write_text(json.dumps([0.5, 1.5]))
     with pytest.raises(ValueError):
         ks.load_fractions(str(path))
