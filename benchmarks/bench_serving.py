@@ -26,14 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving_common import stop_server, vllm_exe, wait_for_health  # noqa: E402
 
 # (mean input length, input range ratio): uniform in mean * (1 -+ ratio).
 SETS = {"A": (34816, 0.8823), "B": (95232, 0.3118)}
@@ -44,42 +46,11 @@ def log(*parts) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def vllm_exe() -> list[str]:
-    if shutil.which("vllm"):
-        return ["vllm"]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-
-
 def parse_env(text: str) -> dict[str, str]:
     pairs = [item.split("=", 1) for item in text.split(",") if item]
     if any(len(pair) != 2 for pair in pairs):
         raise SystemExit(f"--moira-env must be NAME=VALUE,... got {text!r}")
     return dict(pairs)  # type: ignore[arg-type]
-
-
-def stop(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, sig)
-            server.wait(timeout=30)
-            return
-        except Exception:
-            continue
-
-
-def wait_healthy(server: subprocess.Popen, base: str, deadline: float, log_path: Path) -> None:
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode} (see {log_path})")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=5)
-            return
-        except OSError:
-            if time.time() > deadline:
-                raise TimeoutError(f"no /health before the deadline (see {log_path})") from None
-            time.sleep(2)
 
 
 def bench_command(args, base: str, concurrency: int, result_dir: str, name: str) -> list[str]:
@@ -122,7 +93,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
         server = subprocess.Popen(serve, env=env, stdout=server_log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
         try:
-            wait_healthy(server, base, deadline - 60, log_path)
+            wait_for_health(server, base, deadline - 60, log_path)
             log(f"[{arm}] server up after {time.time() - start:.0f} s")
             for concurrency in (int(c) for c in args.concurrency.split(",")):
                 if time.time() > deadline - 30:
@@ -165,7 +136,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
             save()
             log(f"[{arm}] FAILED: {error!r}")
         finally:
-            stop(server)
+            stop_server(server)
 
 
 def main() -> None:

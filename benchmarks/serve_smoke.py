@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,11 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serving_common import stop_server, wait_for_health
 
 #: Gauge exported by patch 0004 for Moira's page-read fraction.
 READ_FRACTION_GAUGE = "vllm:moira_page_read_fraction"
@@ -235,16 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            while time.time() - start < args.startup_timeout:
-                if server.poll() is not None:
-                    raise RuntimeError(f"server exited with {server.returncode}")
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=5)
-                    break
-                except OSError:
-                    time.sleep(2)
-            else:
-                raise TimeoutError(f"no /health after {args.startup_timeout:.0f}s")
+            wait_for_health(server, base, start + args.startup_timeout, log_path)
             record["startup_s"] = time.time() - start
             print(f"server up after {record['startup_s']:.0f}s", flush=True)
             answers = []
@@ -284,11 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             record["ok"] = False
             record["error"] = repr(error)
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+            stop_server(server)
     text = log_path.read_text(errors="replace")
     backend = re.findall(r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend", text)
     record["backend_log_lines"] = sorted(set(backend))[:5]

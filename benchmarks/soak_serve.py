@@ -38,8 +38,6 @@ import json
 import os
 import random
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +46,11 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serving_common import stop_server, vllm_exe, wait_for_health
 
 PHASES = {
     "moira1": {"VLLM_ATTENTION_BACKEND": "MOIRA", "MOIRA_GAMMA": "1"},
@@ -121,28 +124,13 @@ def scrape_metrics(base: str) -> dict:
 # Server
 # --------------------------------------------------------------------------
 def server_command(args) -> list[str]:
-    exe = ["vllm"] if shutil.which("vllm") else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    return exe + [
+    return vllm_exe() + [
         "serve", args.model, "--load-format", "dummy", "--tokenizer", args.tokenizer,
         "--block-size", "64", "--max-model-len", str(args.max_model_len),
         "--enable-prefix-caching", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-num-seqs",
         str(args.max_num_seqs), "--seed", "0", "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-    except Exception:
-        try:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-        except Exception:
-            pass
 
 
 # --------------------------------------------------------------------------
@@ -167,16 +155,7 @@ def run_phase(name, args, workload, deadline, record, save) -> dict:
         )
         try:
             startup_deadline = min(deadline - 30, start + args.startup_timeout)
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"server exited with {server.returncode} (see {log_path})")
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=5)
-                    break
-                except OSError:
-                    if time.time() > startup_deadline:
-                        raise TimeoutError(f"no /health after {time.time() - start:.0f}s") from None
-                    time.sleep(2)
+            wait_for_health(server, base, startup_deadline, log_path)
             phase["startup_s"] = round(time.time() - start, 1)
             log(f"[{name}] server up after {phase['startup_s']}s")
             phase["metrics_before"] = scrape_metrics(base)
@@ -282,8 +261,6 @@ def run_gamma_check(name: str, base: str, args) -> dict:
     """serve_smoke's per-request gamma check on this phase's server (after the
     workload): MOIRA phases send moira_gamma 1.0 and 0.9 together and alone and
     an invalid 1.5; the dense phase gives the reference text."""
-    if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import serve_smoke
 
     backend = PHASES[name]["VLLM_ATTENTION_BACKEND"]
