@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vLLM accuracy runner's CPU steps: scoring and bootstrap of run records
+(``merge``), and the document export with the real tokenizer (slow: needs the
+model directory that the real-model check prepares)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks.accuracy import run_accuracy_vllm as R
+
+
+def _doc(task, ctx, doc, answers):
+    sample = {"task": task, "context": ctx, "prompt": "p", "answers": answers,
+              "answer_prefix": ""}  # fmt: skip
+    return {"id": f"{task}|{ctx}|{doc}", "doc": doc, "sample": sample, "prompt_token_ids": [1]}
+
+
+def _arm(arm, gamma, texts, reads=None):
+    return {"arm": arm, "gamma": gamma, "reads": reads,
+            "outputs": {k: {"text": v, "token_ids": []} for k, v in texts.items()}}  # fmt: skip
+
+
+def test_merge_scores_against_dense():
+    prompts = {"docs": [_doc("niah_single", 2048, 0, ["123"]),
+                        _doc("niah_single", 2048, 1, ["456"]),
+                        _doc("niah_multivalue", 2048, 0, ["7", "8"])]}  # fmt: skip
+    dense = _arm("dense", None, {"niah_single|2048|0": "123.", "niah_single|2048|1": "456",
+                                 "niah_multivalue|2048|0": "7 and 8"})  # fmt: skip
+    moira = _arm("moira", 0.98, {"niah_single|2048|0": "123", "niah_single|2048|1": "999",
+                                 "niah_multivalue|2048|0": "only 7"}, reads=0.4)  # fmt: skip
+    rows = R.merge_records(prompts, [{"arms": [dense]}, {"arms": [moira]}])
+    by = {(r["task"], r["arm"]): r for r in rows}
+    assert by[("niah_single", "dense")]["score"] == 100.0
+    assert by[("niah_single", "moira")]["score"] == 50.0
+    assert by[("niah_multivalue", "moira")]["score"] == 50.0  # one of two answers
+    pooled = by[("all", "moira")]
+    assert pooled["docs"] == 3 and pooled["reads"] == 0.4 and pooled["kl"] is None
+    assert pooled["diff_vs_dense"] == pytest.approx((0 - 100 - 50) / 3)
+    lo, hi = pooled["diff_vs_dense_ci95"]
+    assert lo <= pooled["diff_vs_dense"] <= hi <= 0.0
+    with pytest.raises(SystemExit, match="no dense arm"):
+        R.merge_records(prompts, [{"arms": [moira]}])
+
+
+@pytest.mark.slow
+def test_export_writes_chat_token_ids(tmp_path):
+    if os.environ.get("MOIRA_SKIP_REAL_MODEL") == "1":
+        pytest.skip("MOIRA_SKIP_REAL_MODEL=1")
+    for mod in ("transformers", "gguf", "accelerate"):
+        pytest.importorskip(mod)
+    out = tmp_path / "prompts.json"
+    args = R.build_parser().parse_args(["export", "--contexts", "2048", "--docs", "2",
+                                        "--tasks", "niah_single", "--out", str(out)])  # fmt: skip
+    R.export(args)
+    data = json.loads(out.read_text())
+    assert [d["id"] for d in data["docs"]] == ["niah_single|2048|0", "niah_single|2048|1"]
+    for d in data["docs"]:
+        assert 1500 < len(d["prompt_token_ids"]) <= 2048
+        assert d["sample"]["answers"] and d["sample"]["context"] == 2048
+    assert len(data["stop_token_ids"]) == 2
