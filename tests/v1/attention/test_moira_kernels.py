@@ -499,6 +499,14 @@ def test_config_rejects_bad_values(kwargs, message):
         moira.MoiraConfig(**kwargs).validate()
 
 
+def test_selector_values_carry_the_dense_row_threshold_in_pages():
+    # Estimate and Select compare pages x rows with selector_params[3].
+    assert moira.MoiraConfig().selector_values()[3] == 0.0
+    assert moira.MoiraConfig(dense_batch_tokens=32768).selector_values()[3] == 512.0
+    fixed = moira.MoiraConfig(selector="fixed", fixed_pages=5, dense_batch_tokens=100)
+    assert fixed.selector_values() == (0.98, 5.0, 0.0, 1.0)  # whole pages: 100 // 64
+
+
 def test_workspace_rejects_unsupported_geometry():
     with pytest.raises(ValueError, match="head_size must be one of"):
         moira.MoiraWorkspace(2, 8, 2, 96, 4, moira.MoiraConfig(), "cpu")
