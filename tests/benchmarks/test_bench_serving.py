@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench_serving.py's pieces that need no server: the set definitions, the
+`vllm bench serve` command line and the --moira-env parser."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from _load import load
+
+bs = load("bench_serving")
+
+
+@pytest.mark.parametrize(("name", "low", "high"), [("A", 4096, 65536), ("B", 65536, 129024)])
+def test_sets_span_the_paper_ranges(name, low, high):
+    mean, ratio = bs.SETS[name]
+    assert abs(mean * (1 - ratio) - low) <= 64
+    assert abs(mean * (1 + ratio) - high) <= 64
+
+
+def test_bench_command_fixes_output_length_and_prompt_count():
+    args = types.SimpleNamespace(set="A", model="M", tokenizer="T", output_len=1024, waves=2,
+                                 min_prompts=4, seed=0)  # fmt: skip
+    cmd = bs.bench_command(args, "http://127.0.0.1:1", 16, "/tmp/r", "x.json")
+    value = {flag: cmd[i + 1] for i, flag in enumerate(cmd[:-1]) if flag.startswith("--")}
+    assert value["--num-prompts"] == "32" and value["--max-concurrency"] == "16"
+    assert value["--random-output-len"] == "1024" and "--ignore-eos" in cmd
+    assert json.loads(value["--random-range-ratio"]) == {"input": 0.8823, "output": 0.0}
+    low = bs.bench_command(args, "http://127.0.0.1:1", 1, "/tmp/r", "y.json")
+    assert low[low.index("--num-prompts") + 1] == "4"  # min_prompts
+
+
+def test_moira_env_parser():
+    assert bs.parse_env("MOIRA_SELECTOR=fixed,MOIRA_FIXED_FRACTION=0.3") == {
+        "MOIRA_SELECTOR": "fixed",
+        "MOIRA_FIXED_FRACTION": "0.3",
+    }
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        bs.parse_env("MOIRA_GAMMA")
