@@ -193,15 +193,11 @@ class MoiraConfig:
     def selector_values(self) -> tuple[float, float, float, float]:
         """(gamma, K, fraction, dense batch pages) as Estimate and Select read
         them; 0 turns a field off."""
+        fixed = self.selector == "fixed"
+        fixed_pages = float(self.fixed_pages or 0) if fixed else 0.0
+        fixed_fraction = float(self.fixed_fraction or 0.0) if fixed else 0.0
         dense_pages = float(self.dense_batch_tokens // MOIRA_PAGE_SIZE)
-        if self.selector == "fixed":
-            return (
-                self.gamma,
-                float(self.fixed_pages or 0),
-                float(self.fixed_fraction or 0.0),
-                dense_pages,
-            )
-        return (self.gamma, 0.0, 0.0, dense_pages)
+        return (self.gamma, fixed_pages, fixed_fraction, dense_pages)
 
     def num_splits(self, num_rows: int, num_kv_heads: int) -> int:
         """J of Eq. 4: Attend blocks per (row, KV head) for a batch of rows."""
@@ -377,6 +373,15 @@ def _exact_page_logmass(
 
 
 @triton.jit
+def _is_dense_row(num_pages, selector_ptr):
+    # dense_batch_tokens: a row whose pages x decode rows (the grid's rows)
+    # are at most selector_params[3] keeps every page. Estimate skips it and
+    # Select writes its whole list; both decide with this one test.
+    dense_pages = tl.load(selector_ptr + 3)
+    return (num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages
+
+
+@triton.jit
 def kernel_moira_estimate(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
@@ -384,7 +389,7 @@ def kernel_moira_estimate(
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
-    selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (0 = off)
+    selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (if SKIP_DENSE_ROWS)
     scale,
     stride_q_row: tl.int64,
     stride_q_head: tl.int64,
@@ -404,6 +409,7 @@ def kernel_moira_estimate(
     TILE_PAGES: tl.constexpr,
     REM_SPREAD: tl.constexpr = False,
     NUM_TOP: tl.constexpr = 0,
+    SKIP_DENSE_ROWS: tl.constexpr = False,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -426,9 +432,9 @@ def kernel_moira_estimate(
     # a one-page row (its current page is the sink page, z = 0 has it).
     idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
     idle = idle | ((z == 1) & (last == 0))
-    # Rows that Select keeps whole (dense_batch_tokens) need no estimate.
-    dense_pages = tl.load(selector_ptr + 3)
-    idle = idle | ((num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages)
+    if SKIP_DENSE_ROWS:
+        # Rows that Select keeps whole (dense_batch_tokens) need no estimate.
+        idle = idle | _is_dense_row(num_pages, selector_ptr)
     if idle:
         return
     offs_d = tl.arange(0, HEAD_SIZE)
@@ -505,16 +511,6 @@ def kernel_moira_estimate(
         tl.store(lm_row + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
 
-_ESTIMATE_ALL_ROWS: dict[torch.device, torch.Tensor] = {}
-
-
-def _estimate_all_rows(device: torch.device) -> torch.Tensor:
-    """Selector values with the dense-row skip off (cached per device)."""
-    if device not in _ESTIMATE_ALL_ROWS:
-        _ESTIMATE_ALL_ROWS[device] = torch.zeros(4, dtype=torch.float32, device=device)
-    return _ESTIMATE_ALL_ROWS[device]
-
-
 def estimate_page_logmass(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -548,8 +544,6 @@ def estimate_page_logmass(
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
-    if selector_params is None:
-        selector_params = _estimate_all_rows(logmass.device)
     kernel_moira_estimate[grid](
         query,
         kv_cache,
@@ -557,7 +551,8 @@ def estimate_page_logmass(
         block_table,
         seq_lens,
         logmass,
-        selector_params,
+        # Unread when SKIP_DENSE_ROWS is False; any fp32 pointer will do.
+        logmass if selector_params is None else selector_params,
         scale,
         query.stride(0),
         query.stride(1),
@@ -577,6 +572,7 @@ def estimate_page_logmass(
         TILE_PAGES=tile_pages,
         REM_SPREAD=estimator != "mvar",
         NUM_TOP=num_top,
+        SKIP_DENSE_ROWS=selector_params is not None,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
@@ -836,8 +832,7 @@ def kernel_moira_select(
     lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     pib_ptr = pibar_ptr + row * stride_pib_row + head * stride_pib_head
     out = page_list_ptr + row * stride_pl_row + head * stride_pl_head
-    dense_pages = tl.load(selector_ptr + 3)
-    if (num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages:
+    if _is_dense_row(num_pages, selector_ptr):
         # dense_batch_tokens: the whole row, in page order (Estimate skipped it).
         for start in range(0, num_pages, SHORT_TILE_PAGES):
             pages = start + tl.arange(0, SHORT_TILE_PAGES)
