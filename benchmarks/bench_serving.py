@@ -156,7 +156,11 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=570.0, help="whole invocation")
     p.add_argument("--log-dir", default=tempfile.gettempdir())
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
+    p.add_argument("--merge", nargs="+", help="join result JSONs into --out (no GPU)")
     args = p.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     parse_env(args.moira_env)
     deadline = time.time() + args.budget_s
     record = {"command": "python " + " ".join(sys.argv), "set": args.set, "rows": []}
@@ -174,14 +178,41 @@ def main() -> None:
         if arm not in ("dense", "moira"):
             raise SystemExit(f"--arms: unknown arm {arm!r} (dense, moira)")
         run_arm(arm, args, record, save, deadline)
-    by_key = {(r["arm"], r["concurrency"]): r for r in record["rows"]}
-    record["gains"] = {
+    record["gains"] = serving_gains(record["rows"])
+    save()
+    log("gains (output tok/s, moira/dense - 1):", record["gains"])
+
+
+def serving_gains(rows: list[dict]) -> dict[str, float]:
+    """Output tok/s of moira over dense, minus 1, per concurrency both arms ran."""
+    by_key = {(r["arm"], r["concurrency"]): r for r in rows}
+    return {
         f"c{c}": by_key[("moira", c)]["output_tok_s"] / by_key[("dense", c)]["output_tok_s"] - 1
         for (arm, c) in by_key
         if arm == "dense" and ("moira", c) in by_key
     }
-    save()
-    log("gains (output tok/s, moira/dense - 1):", record["gains"])
+
+
+def merge(paths: list[str], out: str) -> None:
+    """Join the rows of runs made one after another (e.g. one arm per GPU call, when
+    two server starts and both arms do not fit one call's budget). A run's errors
+    are kept only for arms that no other run completed."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [row for run in runs for row in run["rows"]]
+    done = {row["arm"] for row in rows}
+    errors = [e for run in runs for e in run.get("errors", []) if e.split(":")[0] not in done]
+    record = {
+        "command": "python benchmarks/bench_serving.py --merge " + " ".join(paths),
+        "sources": [run["command"] for run in runs],
+        "set": runs[0]["set"],
+        "gpu": runs[0].get("gpu"),
+        "rows": rows,
+        "gains": serving_gains(rows),
+    }
+    if errors:
+        record["errors"] = errors
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
+    print("gains (output tok/s, moira/dense - 1):", record["gains"])
 
 
 if __name__ == "__main__":

@@ -62,3 +62,18 @@ def test_export_writes_chat_token_ids(tmp_path):
         assert 1500 < len(d["prompt_token_ids"]) <= 2048
         assert d["sample"]["answers"] and d["sample"]["context"] == 2048
     assert len(data["stop_token_ids"]) == 2
+
+
+def test_merge_uses_reads_of_each_context():
+    prompts = {"docs": [_doc("niah_single", 2048, 0, ["1"]), _doc("niah_single", 4096, 0, ["2"])]}
+    dense = _arm("dense", None, {"niah_single|2048|0": "1", "niah_single|4096|0": "2"})
+    moira = _arm("moira", 0.98, {"niah_single|2048|0": "1", "niah_single|4096|0": "2"}, reads=0.5)
+    moira["pages_by_context"] = {"2048": [60, 100], "4096": [30, 100]}
+    rows = R.merge_records(prompts, [{"arms": [dense, moira]}])
+    reads = {(r["task"], r["context"]): r["reads"] for r in rows if r["arm"] == "moira"}
+    assert reads == {("niah_single", 2048): 0.6, ("all", 2048): 0.6,
+                     ("niah_single", 4096): 0.3, ("all", 4096): 0.3}  # fmt: skip
+    # Records without per-context counters fall back to the pooled fraction.
+    del moira["pages_by_context"]
+    rows = R.merge_records(prompts, [{"arms": [dense, moira]}])
+    assert {r["reads"] for r in rows if r["arm"] == "moira"} == {0.5}

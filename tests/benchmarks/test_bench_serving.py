@@ -39,3 +39,26 @@ def test_moira_env_parser():
     }
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         bs.parse_env("MOIRA_GAMMA")
+
+
+def _row(arm, concurrency, tok_s):
+    return {"arm": arm, "concurrency": concurrency, "output_tok_s": tok_s}
+
+
+def test_merge_joins_runs_and_recomputes_gains(tmp_path):
+    moira_run = {"command": "c1", "set": "A", "gpu": "G",
+                 "rows": [_row("moira", 16, 150.0), _row("moira", 1, 100.0)],
+                 "errors": ["dense: TimeoutExpired(...)"]}  # fmt: skip
+    dense_run = {"command": "c2", "set": "A", "gpu": "G",
+                 "rows": [_row("dense", 16, 100.0)]}  # fmt: skip
+    paths = []
+    for name, run in (("m.json", moira_run), ("d.json", dense_run)):
+        (tmp_path / name).write_text(json.dumps(run))
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "merged.json"
+    bs.merge(paths, str(out))
+    merged = json.loads(out.read_text())
+    assert merged["sources"] == ["c1", "c2"] and len(merged["rows"]) == 3
+    # c16 has both arms; c1 only moira; the dense error is superseded by dense's run
+    assert merged["gains"] == {"c16": pytest.approx(0.5)}
+    assert "errors" not in merged
