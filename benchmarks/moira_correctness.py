@@ -82,21 +82,31 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
                 seq_lens=seq_lens, max_pages=max_pages)  # fmt: skip
 
 
-def write_summaries(kv, estimator):
+def split_summary_dtype(name):
+    """``"int8:mvar_top4"`` -> ``("mvar_top4", "int8")``; a plain estimator -> bf16."""
+    prefix, _, rest = name.partition(":")
+    return (rest, prefix) if rest else (name, "bfloat16")
+
+
+def write_summaries(kv, estimator, summary_dtype="bfloat16"):
     """Summaries of every block of ``kv`` by the kernel writer of ``estimator``."""
     num_blocks = kv.shape[0]
-    summaries = torch.zeros(num_blocks, HKV, moira.summary_slots(estimator), D,
-                            dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    rows = moira.summary_rows(moira.summary_slots(estimator), summary_dtype)
+    summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda",
+                            dtype=moira.summary_torch_dtype(summary_dtype))  # fmt: skip
     all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
     moira.write_page_summaries(kv, summaries, all_last_slots)
     return summaries
 
 
-def estimator_case(case, estimator):
-    """The case with the summaries of ``estimator`` (same cache, queries, rows)."""
-    if estimator == case.get("estimator", moira.MoiraConfig().estimator):
+def estimator_case(case, name):
+    """The case with the summaries of ``name`` (an estimator, ``int8:`` for int8
+    summaries; same cache, queries, rows)."""
+    if name == case.get("estimator", moira.MoiraConfig().estimator):
         return case
-    return dict(case, summaries=write_summaries(case["kv"], estimator), estimator=estimator)
+    estimator, summary_dtype = split_summary_dtype(name)
+    summaries = write_summaries(case["kv"], estimator, summary_dtype)
+    return dict(case, summaries=summaries, estimator=name)
 
 
 def workspace(case, config):
@@ -220,8 +230,8 @@ def check_graph_replay(case, gamma=0.98, config=None):
 
 
 def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None):
-    estimator = estimator or moira.MoiraConfig().estimator
-    config = moira.MoiraConfig(gamma=gamma, estimator=estimator)
+    estimator, summary_dtype = split_summary_dtype(estimator or moira.MoiraConfig().estimator)
+    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
@@ -248,8 +258,8 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         seq_len = case["seq_lens"][row]
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(
-            case["query"][row], case["kv"], case["summaries"], case["table"][row],
-            seq_len, SCALE, estimator).cpu()  # fmt: skip
+            case["query"][row], case["kv"], ref.read_summaries(case["summaries"]),
+            case["table"][row], seq_len, SCALE, estimator).cpu()  # fmt: skip
         est_err = max(est_err, float((logmass[row, :, :, :n] - expected).abs().max()))
         keys, values = ref.row_keys_values(case["kv"], case["table"][row], seq_len)
         sparse = ref.attend_pages(case["query"][row], keys, values, lists[row],
@@ -257,6 +267,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         sparse_err = max(sparse_err, float((out[row].float() - sparse).abs().max()))
     return {
         "estimator": estimator,
+        "summary_dtype": summary_dtype,
         "gamma": gamma,
         "rows_checked": rows_checked,
         "rows_equal": rows_equal,
@@ -266,19 +277,34 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     }
 
 
-def check_estimator_summaries(case, estimator, num_pages=64):
+def check_estimator_summaries(case, name, num_pages=64):
     """Kernel summaries of ``num_pages`` blocks vs the float32 reference: stored keys
     (slots 2..) must be bit-exact copies (a page may differ only on a near-tie of the
     distances, counted), slots 0-1 within bf16 rounding (max error relative to one bf16
-    ulp of the value)."""
+    ulp of the value). int8 summaries: every stored value vs the reference's quantization
+    of the fp32 summary (largest difference in int8 steps, and the share that is equal)."""
+    estimator, summary_dtype = split_summary_dtype(name)
     num_pages = min(num_pages, case["kv"].shape[0] - 1)
     blocks = torch.arange(1, 1 + num_pages, device="cuda")
-    got = case["summaries"][blocks].float()
     r = moira.estimator_num_top(estimator)
     if r == 0:
         expected = ref.summarize_pages(case["kv"], blocks)
     else:
         expected = ref.summarize_pages_top(case["kv"], blocks, r)
+    if summary_dtype == "int8":
+        slots = 2 + r
+        stored = case["summaries"][blocks]
+        q_ref, scale_ref = ref.quantize_summaries_int8(expected)
+        scales = stored[:, :, slots, : 4 * slots].contiguous().view(torch.float32)
+        steps = (stored[:, :, :slots].int() - q_ref.int()).abs()
+        return {
+            "pages_checked": num_pages * HKV,
+            "int8_max_step_diff": int(steps.max()),
+            "int8_equal_fraction": float((steps == 0).float().mean()),
+            "scale_max_rel_err": float(((scales - scale_ref).abs()
+                                        / scale_ref.clamp_min(1e-30)).max()),
+        }  # fmt: skip
+    got = case["summaries"][blocks].float()
     same_keys = torch.ones(num_pages, HKV, dtype=torch.bool, device="cuda")
     if r:
         same_keys = (got[:, :, 2:] == expected[:, :, 2:]).flatten(2).all(-1)
@@ -291,12 +317,15 @@ def check_estimator_summaries(case, estimator, num_pages=64):
     }
 
 
-def time_estimator(case, estimator, gamma=0.98):
+def time_estimator(case, name, gamma=0.98):
     """Estimate / Select / Estimate+Select / summary write of one estimator."""
+    estimator, summary_dtype = split_summary_dtype(name)
     batch = case["query"].shape[0]
-    ws = workspace(case, moira.MoiraConfig(gamma=gamma, estimator=estimator))
+    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
+    ws = workspace(case, config)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    row = {"estimator": estimator, "summary_slots": moira.summary_slots(estimator)}
+    row = {"estimator": estimator, "summary_dtype": summary_dtype,
+           "summary_slots": moira.summary_slots(estimator)}  # fmt: skip
     row["estimate_select_us"] = graph_time_us(lambda: moira.estimate_and_select(*args, ws, SCALE))
     row["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)
@@ -307,8 +336,11 @@ def time_estimator(case, estimator, gamma=0.98):
             batch, case["max_pages"], ws.read_stats)
     )  # fmt: skip
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
+    # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8, the
+    # slots' fp32 scales).
+    per_page = row["summary_slots"] * (D + 4 if summary_dtype == "int8" else 2 * D)
     row["estimate_summary_gbytes_per_s"] = (
-        pages * HKV * row["summary_slots"] * D * 2 / (row["estimate_us"] * 1e-6) / 1e9
+        pages * HKV * per_page / (row["estimate_us"] * 1e-6) / 1e9
     )
     summaries = case["summaries"]
     slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
@@ -519,14 +551,19 @@ def main():
     parser.add_argument("--sweep-estimate-select", action="store_true",
                         help="time Estimate and Select launch configs (lists checked)")  # fmt: skip
     parser.add_argument(
-        "--estimators", default="", help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time"
+        "--estimators",
+        default="",
+        help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time; prefix 'int8:' "
+        "(e.g. int8:mvar_top4) for int8 summaries (MOIRA_SUMMARY_DTYPE=int8)",
     )
     parser.add_argument("--only-estimators", action="store_true",
                         help="with --estimators: skip the other checks and timings")  # fmt: skip
     args = parser.parse_args()
     estimators = [e for e in args.estimators.split(",") if e]
-    for estimator in estimators:
+    for name in estimators:
+        estimator, summary_dtype = split_summary_dtype(name)
         moira.estimator_num_top(estimator)  # unknown name: error before any work
+        moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype).validate()
     if args.only_estimators and not estimators:
         parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)

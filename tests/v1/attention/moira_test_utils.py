@@ -121,10 +121,11 @@ def full_page_slots(block_table: torch.Tensor, seq_lens: list[int]) -> torch.Ten
 
 
 def make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimator,
-                      pattern="random", seed=0, extra_blocks=3, query_scale=1.0):  # fmt: skip
+                      pattern="random", seed=0, extra_blocks=3, query_scale=1.0,
+                      summary_dtype="bfloat16"):  # fmt: skip
     """A decode batch on a shuffled paged cache with ``estimator``'s summaries
-    of every full page written by the kernel: (kv, summaries, block table,
-    seq_lens tensor, bf16 query)."""
+    of every full page written by the kernel, stored as ``summary_dtype``: (kv,
+    summaries, block table, seq_lens tensor, bf16 query)."""
     from vllm_moira.v1.attention.backends import moira
 
     gen = torch.Generator().manual_seed(seed)
@@ -135,7 +136,8 @@ def make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimato
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
     query = (query * query_scale).to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
-    slots = moira.summary_slots(estimator)
-    summaries = torch.zeros(num_blocks, num_kv_heads, slots, head_size, dtype=torch.bfloat16)
+    rows = moira.summary_rows(moira.summary_slots(estimator), summary_dtype)
+    summaries = torch.zeros(num_blocks, num_kv_heads, rows, head_size,
+                            dtype=moira.summary_torch_dtype(summary_dtype))  # fmt: skip
     moira.write_page_summaries(kv, summaries, full_page_slots(table, seq_lens))
     return kv, summaries, table, torch.tensor(seq_lens, dtype=torch.int32), query

@@ -54,6 +54,24 @@ def test_select_lists_equal_reference(case):
     assert result["sparse_vs_fp32_max_abs_diff"] < 1.6e-2, result
 
 
+def test_int8_summaries_match_reference(case):
+    # MOIRA_SUMMARY_DTYPE=int8: the writer's values within one int8 step of the
+    # reference's quantization (fp32 summation order), Estimate on the stored values
+    # vs the reference on the same values, lists equal.
+    from benchmarks import moira_correctness as mc
+
+    name = "int8:mvar_top4"
+    case8 = mc.estimator_case(case, name)
+    summaries = mc.check_estimator_summaries(case8, name)
+    assert summaries["int8_max_step_diff"] <= 1, summaries
+    assert summaries["int8_equal_fraction"] > 0.99, summaries
+    assert summaries["scale_max_rel_err"] < 1e-5, summaries
+    result = mc.check_select_and_estimate(case8, estimator=name)
+    assert result["rows_checked"] >= 32
+    assert result["rows_equal"] == result["rows_checked"], result
+    assert result["estimate_max_abs_err"] < 1e-3, result
+
+
 def test_layouts_bitwise_equal(case):
     from benchmarks import moira_correctness as mc
 

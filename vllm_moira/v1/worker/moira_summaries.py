@@ -11,7 +11,9 @@ One summary buffer per KV-cache *view*: ``[num_kernel_blocks, H_kv, S, D]``
 bf16, S = ``summary_slots(estimator)`` of the backend (2 for mvar / mvar_rem:
 per-channel mean and variance of the 64 keys of each page; 2 + r for
 mvar_top{r}: mean and variance of the other 64 - r keys, then the r keys
-farthest from the page mean), indexed by
+farthest from the page mean), or, with ``MOIRA_SUMMARY_DTYPE=int8``,
+``[num_kernel_blocks, H_kv, S + 1, D]`` int8: the S slot vectors quantized and
+one more row of D bytes holding their S fp32 scales; indexed by
 the same kernel block id as the view's dim 0, i.e. the values stored in the
 block table. It is sized from the view itself, not from
 ``kv_cache_config.num_blocks``: when the manager block is a multiple of 64,
@@ -37,8 +39,23 @@ def summary_key(kv_cache: torch.Tensor) -> tuple:
     return (str(kv_cache.device), kv_cache.data_ptr(), tuple(kv_cache.shape))
 
 
-def summary_shape(kv_cache: torch.Tensor, num_slots: int = 2) -> tuple[int, int, int, int]:
-    """``[num_blocks, H_kv, num_slots, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view."""
+#: Summary storage -> (torch dtype, extra rows per (page, KV head) for scales).
+_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
+
+
+def _storage(summary_dtype: str) -> tuple[torch.dtype, int]:
+    if summary_dtype not in _STORAGE:
+        raise ValueError(
+            f"Moira: summary_dtype must be one of {tuple(_STORAGE)}, got {summary_dtype!r}"
+        )
+    return _STORAGE[summary_dtype]
+
+
+def summary_shape(
+    kv_cache: torch.Tensor, num_slots: int = 2, summary_dtype: str = "bfloat16"
+) -> tuple[int, int, int, int]:
+    """``[num_blocks, H_kv, rows, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view:
+    rows = ``num_slots`` (bf16), ``num_slots + 1`` (int8: values, then the scales)."""
     if kv_cache.dim() != 4 or kv_cache.shape[2] != PAGE_SIZE:
         raise ValueError(
             "Moira: expected a KV cache view [num_blocks, num_kv_heads, 64, "
@@ -46,26 +63,37 @@ def summary_shape(kv_cache: torch.Tensor, num_slots: int = 2) -> tuple[int, int,
             "block size must be 64"
         )
     num_blocks, num_kv_heads, _, width = kv_cache.shape
-    return (num_blocks, num_kv_heads, num_slots, width // 2)
+    _, extra_rows = _storage(summary_dtype)
+    if extra_rows and 4 * num_slots > width // 2:
+        raise ValueError(
+            f"Moira: int8 summaries of {num_slots} slots need head_size >= {4 * num_slots} "
+            f"(one row of D bytes holds the fp32 scales), got {width // 2}"
+        )
+    return (num_blocks, num_kv_heads, num_slots + extra_rows, width // 2)
 
 
-def acquire_summaries(kv_cache: torch.Tensor, num_slots: int = 2) -> torch.Tensor:
+def acquire_summaries(
+    kv_cache: torch.Tensor, num_slots: int = 2, summary_dtype: str = "bfloat16"
+) -> torch.Tensor:
     """Return the summary buffer of this KV view, allocating it on first use.
 
-    ``num_slots`` is ``summary_slots(estimator)`` (2 + r). Zero-filled: a page
-    that has never been filled (e.g. the null block 0) has a zero summary and
-    is never selected on its own merit.
+    ``num_slots`` is ``summary_slots(estimator)`` (2 + r), ``summary_dtype`` the
+    config's storage. Zero-filled: a page that has never been filled (e.g. the
+    null block 0) has a zero summary (int8: scale 0) and is never selected on
+    its own merit.
     """
     key = summary_key(kv_cache)
-    shape = summary_shape(kv_cache, num_slots)
+    shape = summary_shape(kv_cache, num_slots, summary_dtype)
+    dtype, _ = _storage(summary_dtype)
     entry = _REGISTRY.get(key)
-    if entry is not None and tuple(entry[0].shape) != shape:
+    if entry is not None and (tuple(entry[0].shape) != shape or entry[0].dtype != dtype):
         raise ValueError(
-            f"Moira: the summaries of this KV view have {entry[0].shape[2]} slots, "
-            f"a layer asked for {num_slots}; every layer must use the same estimator"
+            f"Moira: the summaries of this KV view are {entry[0].dtype} "
+            f"{tuple(entry[0].shape)}, a layer asked for {num_slots} slots of "
+            f"{summary_dtype}; every layer must use the same estimator and summary dtype"
         )
     if entry is None:
-        summaries = torch.zeros(shape, dtype=torch.bfloat16, device=kv_cache.device)
+        summaries = torch.zeros(shape, dtype=dtype, device=kv_cache.device)
         entry = _REGISTRY[key] = [summaries, 0]
     entry[1] += 1
     return entry[0]
@@ -86,15 +114,21 @@ def live_summary_bytes() -> int:
     return sum(t.numel() * t.element_size() for t, _ in _REGISTRY.values())
 
 
-def summary_bytes_for_kv_bytes(kv_cache_bytes: int, num_slots: int = 2) -> int:
+def summary_bytes_for_kv_bytes(
+    kv_cache_bytes: int, num_slots: int = 2, summary_dtype: str = "bfloat16"
+) -> int:
     """Summary bytes for a bf16 KV view of ``kv_cache_bytes``.
 
-    A page holds 64 tokens x 2D values (K and V) per KV head; its summary
-    ``num_slots`` x D values. So summaries are exactly ``num_slots / 128`` of
-    the KV bytes (rounded up): 1/64 for mvar / mvar_rem (2 slots), 1/32 for
-    mvar_top2 (4), 3/64 for mvar_top4 (6).
+    A page holds 64 tokens x 2D bf16 values (K and V) per KV head; its bf16
+    summary ``num_slots`` x D bf16 values. So bf16 summaries are exactly
+    ``num_slots / 128`` of the KV bytes (rounded up): 1/64 for mvar / mvar_rem
+    (2 slots), 1/32 for mvar_top2 (4), 3/64 for mvar_top4 (6). int8 summaries
+    hold ``num_slots + 1`` rows of D bytes: ``(num_slots + 1) / 256`` of the KV
+    bytes (7/256 for mvar_top4).
     """
-    return -(-kv_cache_bytes * num_slots // (2 * PAGE_SIZE))
+    dtype, extra_rows = _storage(summary_dtype)
+    rows_bytes = (num_slots + extra_rows) * torch.tensor([], dtype=dtype).element_size()
+    return -(-kv_cache_bytes * rows_bytes // (4 * PAGE_SIZE))
 
 
 def workspace_bytes(vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int) -> int:

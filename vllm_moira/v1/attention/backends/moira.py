@@ -76,6 +76,12 @@ MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_rem": 0, "mvar_top2": 2, "mvar_top4"
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 #: Estimator used when MOIRA_ESTIMATOR is unset (one-line switch).
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top4"
+#: How page summaries are stored (MOIRA_SUMMARY_DTYPE). "bfloat16": each slot
+#: vector as D bf16 values (the paper's summary). "int8": D int8 values and one
+#: fp32 scale per slot vector (absmax / 127), the scales in one extra row of D
+#: bytes after the slots: Estimate, bound by the summary bytes it reads, reads
+#: about half as many (docs/estimator.md, "int8 summaries").
+MOIRA_SUMMARY_DTYPES = ("bfloat16", "int8")
 
 # Estimate's launch configuration: pages per summary program ("each covering
 # 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
@@ -135,6 +141,9 @@ class MoiraConfig:
     #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary layout
     #: (``summary_slots``) when the KV cache is allocated.
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
+    #: Storage of the summaries (one of MOIRA_SUMMARY_DTYPES); fixes their
+    #: dtype and shape when the KV cache is allocated, like the estimator.
+    summary_dtype: str = "bfloat16"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option and its allowed values."""
@@ -184,6 +193,11 @@ class MoiraConfig:
                 f"Moira: estimator must be one of {MOIRA_ESTIMATORS} "
                 f"(default {MOIRA_DEFAULT_ESTIMATOR!r}), got {self.estimator!r}"
             )
+        if self.summary_dtype not in MOIRA_SUMMARY_DTYPES:
+            raise ValueError(
+                f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES} "
+                f"(default 'bfloat16'), got {self.summary_dtype!r}"
+            )
 
     @property
     def summary_slots(self) -> int:
@@ -218,6 +232,34 @@ def summary_slots(estimator: str) -> int:
     return 2 + estimator_num_top(estimator)
 
 
+def summary_rows(num_slots: int, summary_dtype: str) -> int:
+    """Rows of D elements per (page, KV head) in the summary tensor: the slots,
+    plus, for int8, the row that holds their fp32 scales."""
+    return num_slots + (1 if summary_dtype == "int8" else 0)
+
+
+def summary_torch_dtype(summary_dtype: str) -> torch.dtype:
+    return torch.int8 if summary_dtype == "int8" else torch.bfloat16
+
+
+def _summary_layout(summaries: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(slots, fp32 scale view ``[num_blocks, H_kv, slots]``) of a summary
+    tensor; bf16 summaries have no scales (the tensor itself is returned, as
+    an unread kernel argument)."""
+    if summaries.dtype == torch.bfloat16:
+        return summaries.shape[2], summaries
+    if summaries.dtype != torch.int8:
+        raise ValueError(f"Moira: summaries must be bfloat16 or int8, got {summaries.dtype}")
+    num_slots = summaries.shape[2] - 1
+    if 4 * num_slots > summaries.shape[3]:
+        raise ValueError(
+            f"Moira: int8 summaries of {num_slots} slots need D >= {4 * num_slots}, "
+            f"got shape {tuple(summaries.shape)}"
+        )
+    scales = summaries[:, :, num_slots, : 4 * num_slots].view(torch.float32)
+    return num_slots, scales
+
+
 def _group_rows(group_size: int) -> int:
     """Rows of the query tile: G padded to a power of two and to tl.dot's minimum."""
     return max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size))
@@ -237,18 +279,44 @@ def _check_kv_cache(kv_cache: torch.Tensor) -> None:
 # Page summaries
 # ==========================================================================
 @triton.jit
+def _store_summary_slot(
+    out,  # this (page, KV head)'s summary row 0: [rows, HEAD_SIZE] bf16 or int8
+    scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
+    slot,
+    vec,  # [HEAD_SIZE] fp32
+    HEAD_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_SIZE)
+    if INT8:
+        # Symmetric per slot vector: scale = absmax / 127, q = floor(x / scale
+        # + 0.5); an all-zero vector stores scale 0 (ref.quantize_summaries_int8).
+        scale = tl.max(tl.abs(vec), axis=0) / 127.0
+        safe = tl.where(scale > 0.0, scale, 1.0)
+        q = tl.minimum(tl.maximum(tl.floor(vec / safe + 0.5), -127.0), 127.0)
+        tl.store(out + slot * HEAD_SIZE + offs_d, q.to(tl.int8))
+        tl.store(scales + slot, scale)
+    else:
+        tl.store(out + slot * HEAD_SIZE + offs_d, vec.to(tl.bfloat16))
+
+
+@triton.jit
 def kernel_moira_write_summaries(
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP, HEAD_SIZE] bf16
+    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
+    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
     stride_kv_block: tl.int64,
     stride_kv_head: tl.int64,
     stride_kv_token: tl.int64,
     stride_sum_block: tl.int64,
     stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64,
+    stride_scale_head: tl.int64,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_TOP: tl.constexpr = 0,
+    INT8: tl.constexpr = False,
 ):
     # One program per (token, KV head). Only the token that fills its page
     # (offset PAGE_SIZE - 1) summarizes; the others exit at once. The keys are
@@ -258,7 +326,8 @@ def kernel_moira_write_summaries(
     # 64 keys. NUM_TOP = r > 0 (mvar_top{r}): slots 2 .. 1 + r = the r keys
     # farthest (L2) from the mean of the 64 keys, farthest first (ties: lower
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
-    # other 64 - r keys (the bulk).
+    # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
+    # with its fp32 scale (stored keys then are quantized, not bit copies).
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -271,13 +340,13 @@ def kernel_moira_write_summaries(
     keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :]).to(tl.float32)
     mean = tl.sum(keys, axis=0) / PAGE_SIZE
     centered = keys - mean[None, :]
+    out = summaries_ptr + block * stride_sum_block + head * stride_sum_head
+    scales = scales_ptr + block * stride_scale_block + head * stride_scale_head
     if NUM_TOP == 0:
         var = tl.sum(centered * centered, axis=0) / PAGE_SIZE
-        out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
-        tl.store(out, mean.to(tl.bfloat16))
-        tl.store(out + HEAD_SIZE, var.to(tl.bfloat16))
+        _store_summary_slot(out, scales, 0, mean, HEAD_SIZE, INT8)
+        _store_summary_slot(out, scales, 1, var, HEAD_SIZE, INT8)
     else:
-        out = summaries_ptr + block * stride_sum_block + head * stride_sum_head + offs_d
         dist = tl.sum(centered * centered, axis=1)  # [PAGE_SIZE]
         in_bulk = offs_t >= 0  # all True
         for j in tl.static_range(NUM_TOP):
@@ -286,8 +355,8 @@ def kernel_moira_write_summaries(
             peak = tl.max(dist, axis=0)
             top = tl.min(tl.where(dist == peak, offs_t, PAGE_SIZE), axis=0)
             top = tl.minimum(top, PAGE_SIZE - 1)  # NaN keys: stay in the page
-            key = tl.load(page_keys + top * stride_kv_token + offs_d)
-            tl.store(out + (2 + j) * HEAD_SIZE, key)
+            key = tl.load(page_keys + top * stride_kv_token + offs_d).to(tl.float32)
+            _store_summary_slot(out, scales, 2 + j, key, HEAD_SIZE, INT8)
             chosen = offs_t == top
             dist = tl.where(chosen, float("-inf"), dist)
             in_bulk = in_bulk & (offs_t != top)
@@ -295,8 +364,8 @@ def kernel_moira_write_summaries(
         bulk_mean = tl.sum(bulk_keys, axis=0) / (PAGE_SIZE - NUM_TOP)
         bulk_centered = tl.where(in_bulk[:, None], keys - bulk_mean[None, :], 0.0)
         bulk_var = tl.sum(bulk_centered * bulk_centered, axis=0) / (PAGE_SIZE - NUM_TOP)
-        tl.store(out, bulk_mean.to(tl.bfloat16))
-        tl.store(out + HEAD_SIZE, bulk_var.to(tl.bfloat16))
+        _store_summary_slot(out, scales, 0, bulk_mean, HEAD_SIZE, INT8)
+        _store_summary_slot(out, scales, 1, bulk_var, HEAD_SIZE, INT8)
 
 
 def write_page_summaries(
@@ -305,34 +374,40 @@ def write_page_summaries(
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
     Call after the KV scatter of the same tokens. ``summaries`` is
-    ``[num_blocks, H_kv, 2 + r, D]``: its slot count selects the summary
-    (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r: bulk
-    mean and variance and the r farthest keys, for mvar_top{r}).
+    ``[num_blocks, H_kv, 2 + r, D]`` bf16, or ``[num_blocks, H_kv, 2 + r + 1, D]``
+    int8 (the last row holds the slots' fp32 scales): its slot count selects the
+    summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
+    bulk mean and variance and the r farthest keys, for mvar_top{r}).
     Graph-safe: the grid is the number of tokens; no host sync.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     head_size = kv_cache.shape[-1] // 2
-    num_top = summaries.shape[2] - 2
+    num_slots, scales = _summary_layout(summaries)
+    num_top = num_slots - 2
     if num_top not in MOIRA_ESTIMATOR_NUM_TOP.values():
         raise ValueError(
             f"Moira: summaries must have {sorted(set(map(summary_slots, MOIRA_ESTIMATORS)))} "
-            f"slots, got shape {tuple(summaries.shape)}"
+            f"slots (int8: plus one row of scales), got shape {tuple(summaries.shape)}"
         )
     assert kv_cache.stride(-1) == 1 and summaries.is_contiguous()
     kernel_moira_write_summaries[(num_tokens, kv_cache.shape[1])](
         kv_cache,
         summaries,
+        scales,
         slot_mapping,
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
         summaries.stride(0),
         summaries.stride(1),
+        scales.stride(0),
+        scales.stride(1),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         NUM_TOP=num_top,
+        INT8=summaries.dtype == torch.int8,
     )
 
 
@@ -385,7 +460,8 @@ def _is_dense_row(num_pages, selector_ptr):
 def kernel_moira_estimate(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP, HEAD_SIZE] bf16
+    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
+    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
@@ -398,6 +474,8 @@ def kernel_moira_estimate(
     stride_kv_token: tl.int64,
     stride_sum_block: tl.int64,
     stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64,
+    stride_scale_head: tl.int64,
     stride_bt_row: tl.int64,
     stride_lm_row: tl.int64,
     stride_lm_head: tl.int64,
@@ -410,6 +488,7 @@ def kernel_moira_estimate(
     REM_SPREAD: tl.constexpr = False,
     NUM_TOP: tl.constexpr = 0,
     SKIP_DENSE_ROWS: tl.constexpr = False,
+    INT8: tl.constexpr = False,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -420,7 +499,9 @@ def kernel_moira_estimate(
     # cores. Products of bf16
     # values are exact in the fp32 accumulator, so the mean term is fp32-exact
     # up to summation order; (s q)^2 is split into two bf16 parts (hi + lo) so
-    # the spread term keeps ~16 significant bits.
+    # the spread term keeps ~16 significant bits. INT8 summaries: the int8
+    # values are exact in bf16, so each slot's product is taken as stored and
+    # scaled by the slot's fp32 scale afterwards (one multiply per page).
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
@@ -459,6 +540,16 @@ def kernel_moira_estimate(
         )
         mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
         var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+        if INT8:
+            page_scales = (
+                scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
+            )
+            mean_scale = tl.load(page_scales, mask=mask_p, other=0.0)[:, None]
+            var_scale = tl.load(page_scales + 1, mask=mask_p, other=0.0)[:, None]
+            # int8 -> fp32 -> bf16, both exact. (Written out: the Triton
+            # interpreter reinterprets bits on a direct int8 -> bf16 cast.)
+            mean = mean.to(tl.float32).to(tl.bfloat16)
+            var = var.to(tl.float32).to(tl.bfloat16)
 
         # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
         q_scaled = q.to(tl.float32) * scale
@@ -466,12 +557,16 @@ def kernel_moira_estimate(
         q_sq_hi = q_sq.to(tl.bfloat16)
         q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
         est = tl.dot(mean, tl.trans(q)) * scale
+        if INT8:
+            est = est * mean_scale
         if REM_SPREAD:
             # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of
             # the random energy model over the m = 64 - r summarized keys,
             # v / 2 up to v = 2 ln m, then linear in sqrt(v).
             log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
             v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
+            if INT8:
+                v = v * var_scale
             v = tl.maximum(v, 0.0)
             spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
             est += spread + log_m
@@ -486,13 +581,22 @@ def kernel_moira_estimate(
                         mask=mask_p[:, None],
                         other=0.0,
                     )
-                    logit = tl.dot(key, tl.trans(q)) * scale
+                    if INT8:
+                        key_scale = tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)
+                        key = key.to(tl.float32).to(tl.bfloat16)
+                        logit = tl.dot(key, tl.trans(q)) * scale
+                        logit = logit * key_scale[:, None]
+                    else:
+                        logit = tl.dot(key, tl.trans(q)) * scale
                     new_peak = tl.maximum(peak, logit)
                     total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
                     peak = new_peak
                 est = peak + tl.log(total)
         else:
-            est += 0.5 * (tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo)))
+            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
+            if INT8:
+                v = v * var_scale
+            est += 0.5 * v
             est += tl.log(PAGE_SIZE * 1.0)
         tl.store(
             lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
@@ -531,10 +635,12 @@ def estimate_page_logmass(
     (``dense_batch_tokens``) are skipped; None estimates every row."""
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
-    if summaries.shape[2] != 2 + num_top:
+    num_slots, scales = _summary_layout(summaries)
+    if num_slots != 2 + num_top:
         raise ValueError(
             f"Moira: estimator {estimator!r} needs a summary of {2 + num_top} slots "
-            f"[num_blocks, H_kv, {2 + num_top}, D], got shape {tuple(summaries.shape)}"
+            f"[num_blocks, H_kv, {2 + num_top}, D] (int8: {3 + num_top} rows, the last "
+            f"the scales), got {summaries.dtype} shape {tuple(summaries.shape)}"
         )
     assert summaries.stride(3) == 1 and summaries.stride(2) == head_size
     num_kv_heads = kv_cache.shape[1]
@@ -548,6 +654,7 @@ def estimate_page_logmass(
         query,
         kv_cache,
         summaries,
+        scales,
         block_table,
         seq_lens,
         logmass,
@@ -561,6 +668,8 @@ def estimate_page_logmass(
         kv_cache.stride(2),
         summaries.stride(0),
         summaries.stride(1),
+        scales.stride(0),
+        scales.stride(1),
         block_table.stride(0),
         logmass.stride(0),
         logmass.stride(1),
@@ -573,6 +682,7 @@ def estimate_page_logmass(
         REM_SPREAD=estimator != "mvar",
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
+        INT8=summaries.dtype == torch.int8,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
@@ -1209,8 +1319,8 @@ class MoiraWorkspace:
     def set_selector(self, config: MoiraConfig) -> None:
         """Switch gamma / the selector in place (host -> device copy; call it
         between steps, never inside one). Attend's constants and the estimator
-        must not change: graphs were captured with their grid and kernel
-        variant, and the summaries were written for the estimator."""
+        (and the summary dtype) must not change: graphs were captured with
+        their grid and kernel variant, and the summaries were written for them."""
         config.validate()
         # Attend's split constants are baked into captured grids; the
         # estimator into the captured Estimate variant and the summary layout.
@@ -1220,6 +1330,7 @@ class MoiraWorkspace:
             "min_splits_total",
             "attend_fill_blocks",
             "estimator",
+            "summary_dtype",
         )
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed_fields):
             raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
@@ -1451,6 +1562,7 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_ESTIMATOR": ("estimator", str),
     "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
     "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
+    "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
 }
 
 
@@ -2085,7 +2197,9 @@ class MoiraImpl(FlashAttentionImpl):
 
         if self._summaries_key is not None:
             release_summaries(self._summaries_key)
-        self._summaries = acquire_summaries(kv_cache, self.moira_config.summary_slots)
+        self._summaries = acquire_summaries(
+            kv_cache, self.moira_config.summary_slots, self.moira_config.summary_dtype
+        )
         self._summaries_key = summary_key(kv_cache)
 
     def release_kv_cache_extras(self, layer: torch.nn.Module) -> None:
@@ -2101,7 +2215,9 @@ class MoiraImpl(FlashAttentionImpl):
 
         if self.kv_sharing_target_layer_name is not None:
             return 0  # shares the target layer's KV view and summaries
-        return summary_bytes_for_kv_bytes(kv_cache_bytes, self.moira_config.summary_slots)
+        return summary_bytes_for_kv_bytes(
+            kv_cache_bytes, self.moira_config.summary_slots, self.moira_config.summary_dtype
+        )
 
     def get_shared_kv_cache_extras_bytes(self) -> dict[str, int]:
         from vllm.v1.worker.moira_summaries import workspace_bytes
@@ -2135,7 +2251,9 @@ class MoiraImpl(FlashAttentionImpl):
             )
         if self._summaries_key is not None:
             release_summaries(self._summaries_key)  # KV view was replaced
-        self._summaries = acquire_summaries(kv_cache, self.moira_config.summary_slots)
+        self._summaries = acquire_summaries(
+            kv_cache, self.moira_config.summary_slots, self.moira_config.summary_dtype
+        )
         self._summaries_key = key
         return self._summaries
 

@@ -38,6 +38,48 @@ def summarize_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Te
     return torch.stack([mean, var], dim=2)
 
 
+#: How summaries are stored (``MOIRA_SUMMARY_DTYPE``): bf16 values, or int8
+#: values with one fp32 scale per slot vector (absmax / 127).
+SUMMARY_DTYPES = ("bfloat16", "int8")
+INT8_LEVELS = 127.0
+
+
+def quantize_summaries_int8(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slot vector (the last dim, D values) symmetric int8: ``scale = absmax / 127``,
+    ``q = floor(x / scale + 0.5)`` clamped to [-127, 127] (an all-zero vector: scale 0,
+    q 0). Returns ``(q int8 [..., S, D], scale fp32 [..., S])``; the kernel's rule."""
+    x = summaries.float()
+    scale = x.abs().amax(dim=-1) / INT8_LEVELS
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(x / safe.unsqueeze(-1) + 0.5).clamp(-INT8_LEVELS, INT8_LEVELS)
+    return q.to(torch.int8), scale
+
+
+def dequantize_summaries_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in fp32: the values Estimate computes with."""
+    return q.float() * scale.float().unsqueeze(-1)
+
+
+def read_summaries(summaries: torch.Tensor) -> torch.Tensor:
+    """A summary tensor as the kernels store it, back as fp32 ``[nb, H_kv, S, D]``:
+    bf16 as is; int8 ``[nb, H_kv, S + 1, D]`` = S rows of values, then one row whose
+    first 4 S bytes are the S fp32 scales."""
+    if summaries.dtype != torch.int8:
+        return summaries.float()
+    num_slots = summaries.shape[2] - 1
+    scales = summaries[:, :, num_slots, : 4 * num_slots].contiguous().view(torch.float32)
+    return dequantize_summaries_int8(summaries[:, :, :num_slots], scales)
+
+
+def stored_summaries(summaries: torch.Tensor, summary_dtype: str) -> torch.Tensor:
+    """Summaries as Estimate sees them after storage in ``summary_dtype`` (fp32)."""
+    if summary_dtype == "bfloat16":
+        return summaries.to(torch.bfloat16).float()
+    if summary_dtype == "int8":
+        return dequantize_summaries_int8(*quantize_summaries_int8(summaries))
+    raise ValueError(f"summary_dtype must be one of {SUMMARY_DTYPES}, got {summary_dtype!r}")
+
+
 # --------------------------------------------------------------------------
 # Gathering one row
 # --------------------------------------------------------------------------

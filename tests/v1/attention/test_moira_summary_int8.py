@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+"""int8 page summaries (``MOIRA_SUMMARY_DTYPE=int8``) against the float32 reference (CPU
+interpreter): the writer's quantization, Estimate on the stored values, the whole sparse
+step, storage shape and accounting, configuration. docs/estimator.md "int8 summaries"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.v1.attention.moira_test_utils import PAGE, make_decode_batch, make_kv_cache
+from vllm_moira.v1.attention.backends import moira
+from vllm_moira.v1.attention.ops import moira_reference as ref
+from vllm_moira.v1.worker import moira_summaries as ms
+
+SMALL_SPLITS = dict(
+    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
+)
+
+
+def _ref_fp32_summaries(kv: torch.Tensor, blocks: torch.Tensor, estimator: str) -> torch.Tensor:
+    r = moira.estimator_num_top(estimator)
+    if r == 0:
+        return ref.summarize_pages(kv, blocks)
+    return ref.summarize_pages_top(kv, blocks, r)
+
+
+# --------------------------------------------------------------------------
+# Reference quantizer
+# --------------------------------------------------------------------------
+def test_reference_quantizer_rule():
+    x = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 127.0], [-3.0, 1.4, 0.0, 0.25]]])
+    q, scale = ref.quantize_summaries_int8(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert torch.equal(scale, torch.tensor([[0.0, 127.0, 3.0]]) / 127.0)  # absmax / 127, fp32
+    assert q[0, 0].tolist() == [0, 0, 0, 0]  # all-zero vector: scale 0, values 0
+    assert q[0, 1].tolist() == [1, -2, 1, 127]  # floor(x / scale + 0.5): 0.5 -> 1
+    assert q[0, 2].tolist() == [-127, 59, 0, 11]
+    back = ref.dequantize_summaries_int8(q, scale)
+    # |error| <= scale / 2 per element
+    assert torch.all((back - x).abs() <= scale.unsqueeze(-1) / 2 + 1e-7)
+
+
+# --------------------------------------------------------------------------
+# Summary writer
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("estimator", ["mvar", "mvar_top2", "mvar_top4"])
+def test_write_int8_summaries_matches_reference(layout, head_size, estimator):
+    gen = torch.Generator().manual_seed(head_size + len(estimator))
+    slots = moira.summary_slots(estimator)
+    kv = make_kv_cache(6, 2, head_size, layout, generator=gen)
+    kv[3] *= 20.0  # a page of large keys: its own scales, not its neighbours'
+    summaries = torch.full((6, 2, slots + 1, head_size), -99, dtype=torch.int8)
+    written = [2, 3, 5]
+    slot_mapping = torch.tensor([-1] + [b * PAGE + 63 for b in written] + [4 * PAGE + 10])
+    moira.write_page_summaries(kv, summaries, slot_mapping)
+    q_ref, scale_ref = ref.quantize_summaries_int8(
+        _ref_fp32_summaries(kv, torch.tensor(written), estimator)
+    )
+    got = summaries[written]
+    scales = got[:, :, slots, : 4 * slots].contiguous().view(torch.float32)
+    # The kernel's mean / variance may differ from torch's by fp32 summation order:
+    # a value on a rounding boundary can land one step off, never more.
+    torch.testing.assert_close(scales, scale_ref, rtol=1e-5, atol=0)
+    assert (got[:, :, :slots].int() - q_ref.int()).abs().max() <= 1
+    assert (got[:, :, :slots] == q_ref).float().mean() > 0.99
+    if estimator != "mvar":
+        # Stored keys are bf16 values: the same fp32 input, so exactly the reference's.
+        assert torch.equal(got[:, :, 2:slots], q_ref[:, :, 2:])
+    assert (summaries[[0, 1, 4]] == -99).all(), "pages that did not fill are untouched"
+    # The stored summary reads back within half a step of the fp32 values.
+    back = ref.read_summaries(summaries)[written]
+    exact = _ref_fp32_summaries(kv, torch.tensor(written), estimator)
+    assert torch.all((back - exact).abs() <= 1.5 * scale_ref.unsqueeze(-1) + 1e-6)
+
+
+def test_write_int8_summaries_of_an_all_zero_page():
+    kv = make_kv_cache(2, 1, 64, "head_major")
+    kv[1, :, :, :64] = 0.0
+    summaries = torch.full((2, 1, 7, 64), 5, dtype=torch.int8)
+    moira.write_page_summaries(kv, summaries, torch.tensor([PAGE + 63]))
+    assert (summaries[1, 0, :6] == 0).all()
+    assert summaries[1, 0, 6, :24].contiguous().view(torch.float32).tolist() == [0.0] * 6
+    assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 6, 64))
+
+
+# --------------------------------------------------------------------------
+# Estimate and the whole step
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("estimator", "layout", "group", "head_size", "pattern"),
+    [
+        ("mvar", "token_major", 1, 64, "random"),
+        ("mvar_top4", "head_major", 3, 64, "outlier"),
+        ("mvar_top2", "token_major", 4, 128, "concentrated"),
+        ("mvar_top4", "head_major", 8, 128, "diffuse"),
+    ],
+)
+def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
+                                         monkeypatch):  # fmt: skip
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
+    seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
+    kv, summaries, table, seq, query = make_decode_batch(
+        seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
+        summary_dtype="int8",
+    )  # fmt: skip
+    assert summaries.dtype == torch.int8
+    scale = head_size**-0.5
+    ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
+                              moira.MoiraConfig(estimator=estimator, summary_dtype="int8"),
+                              "cpu")  # fmt: skip
+    ws.logmass.fill_(float("nan"))
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
+    stored = ref.read_summaries(summaries)
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        expected = ref.estimate_row_logmass(query[row], kv, stored, table[row], seq_len, scale,
+                                            estimator)  # fmt: skip
+        torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("estimator", ["mvar", "mvar_top4"])
+def test_sparse_decode_int8_matches_reference(estimator):
+    """Lists equal the reference's on the stored (dequantized) summaries; the output
+    matches the reference's attention over those lists."""
+    config = moira.MoiraConfig(gamma=0.9, estimator=estimator, summary_dtype="int8",
+                               **SMALL_SPLITS)  # fmt: skip
+    seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
+    kv, summaries, table, seq, query = make_decode_batch(
+        seq_lens, 2, 4, 128, "head_major", estimator, "concentrated", seed=2,
+        summary_dtype="int8",
+    )  # fmt: skip
+    ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
+    out = torch.empty_like(query)
+    scale = 128**-0.5
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
+    stored = ref.read_summaries(summaries)
+    expected, lists = ref.sparse_decode(query, kv, stored, table, seq_lens, scale, gamma=0.9,
+                                        estimator=estimator)  # fmt: skip
+    for row in range(len(seq_lens)):
+        for h in range(2):
+            n = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :n].tolist() == lists[row][h].tolist(), (row, h)
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
+
+
+def test_gamma_one_int8_equals_dense():
+    config = moira.MoiraConfig(gamma=1.0, summary_dtype="int8", **SMALL_SPLITS)
+    seq_lens = [1, 64, 7 * PAGE, 64 * 4 + 17]
+    kv, summaries, table, seq, query = make_decode_batch(seq_lens, 2, 4, 128, "head_major",
+                                                         config.estimator,
+                                                         summary_dtype="int8")  # fmt: skip
+    ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
+    out = torch.empty_like(query)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 128**-0.5)
+    dense = ref.dense_decode(query, kv, table, seq, 128**-0.5)
+    torch.testing.assert_close(out.float(), dense, atol=8e-3, rtol=1.6e-2)
+
+
+def test_estimate_rejects_int8_summaries_of_another_estimator():
+    kv, summaries, table, seq, query = make_decode_batch([300], 1, 2, 64, "head_major", "mvar",
+                                                         summary_dtype="int8")  # fmt: skip
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig(), "cpu")
+    with pytest.raises(ValueError, match=r"needs a summary of 6 slots .*int8: 7 rows"):
+        moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
+                                    "mvar_top4")  # fmt: skip
+
+
+# --------------------------------------------------------------------------
+# Storage and configuration
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(("estimator", "head_size"), [("mvar", 64), ("mvar_top4", 128)])
+def test_int8_summary_storage_and_accounting(estimator, head_size):
+    slots = moira.summary_slots(estimator)
+    kv = torch.zeros(10, 2, PAGE, 2 * head_size, dtype=torch.bfloat16)
+    summaries = ms.acquire_summaries(kv, slots, "int8")
+    try:
+        assert summaries.dtype == torch.int8
+        assert tuple(summaries.shape) == (10, 2, slots + 1, head_size)
+        kv_bytes = kv.numel() * kv.element_size()
+        assert summaries.numel() == ms.summary_bytes_for_kv_bytes(kv_bytes, slots, "int8")
+        # (S + 1) rows of D bytes per page and KV head, vs S rows of 2 D bytes in bf16.
+        bf16 = ms.summary_bytes_for_kv_bytes(kv_bytes, slots)
+        assert bf16 * (slots + 1) == summaries.numel() * 2 * slots
+        with pytest.raises(ValueError, match="same estimator and summary dtype"):
+            ms.acquire_summaries(kv, slots, "bfloat16")
+    finally:
+        ms.release_summaries(ms.summary_key(kv))
+
+
+def test_int8_summaries_need_room_for_their_scales():
+    kv = torch.zeros(2, 1, PAGE, 2 * 16, dtype=torch.bfloat16)  # D = 16 < 4 * 6
+    with pytest.raises(ValueError, match="head_size >= 24"):
+        ms.summary_shape(kv, 6, "int8")
+
+
+def test_config_summary_dtype():
+    assert moira.MoiraConfig().summary_dtype == "bfloat16"
+    assert moira.MOIRA_SUMMARY_DTYPES == ref.SUMMARY_DTYPES
+    assert moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "INT8"}).summary_dtype == "int8"
+    with pytest.raises(ValueError, match=r"summary_dtype must be one of \('bfloat16', 'int8'\)"):
+        moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "fp8"})
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig(summary_dtype="int8"), "cpu")
+    with pytest.raises(ValueError, match="cannot change.*summary_dtype"):
+        ws.set_selector(moira.MoiraConfig(gamma=0.9))
