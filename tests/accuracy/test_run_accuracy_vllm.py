@@ -77,3 +77,11 @@ def test_merge_uses_reads_of_each_context():
     del moira["pages_by_context"]
     rows = R.merge_records(prompts, [{"arms": [dense, moira]}])
     assert {r["reads"] for r in rows if r["arm"] == "moira"} == {0.5}
+
+
+def test_recheck_refuses_unknown_documents():
+    from benchmarks.accuracy import recheck_docs
+
+    prompts = {"stop_token_ids": [0], "docs": [_doc("niah_single", 2048, 0, ["1"])]}
+    with pytest.raises(SystemExit, match=r"not in the prompts file: \['niah_single\|2048\|7'\]"):
+        recheck_docs.recheck(prompts, ["niah_single|2048|7"], [0.99], ["mvar_top4"], 12)

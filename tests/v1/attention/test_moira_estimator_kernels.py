@@ -18,7 +18,7 @@ from tests.v1.attention.moira_test_utils import (
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-NEW_ESTIMATORS = ("mvar_rem", "mvar_top2", "mvar_top4")
+NEW_ESTIMATORS = ("mvar_rem", "mvar_top2", "mvar_top4", "mvar_top8")
 # attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
 # their boundaries (the fill rule has tests of its own).
 SMALL_SPLITS = dict(
@@ -62,7 +62,7 @@ _batch = make_decode_batch
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("estimator", ["mvar_top2", "mvar_top4"])
+@pytest.mark.parametrize("estimator", ["mvar_top2", "mvar_top4", "mvar_top8"])
 def test_write_top_summaries_matches_reference(layout, head_size, estimator):
     gen = torch.Generator().manual_seed(head_size)
     r = moira.estimator_num_top(estimator)
@@ -81,7 +81,7 @@ def test_write_top_summaries_matches_reference(layout, head_size, estimator):
     assert torch.isnan(summaries[[0, 1, 3, 4]].float()).all(), "pages that did not fill"
 
 
-@pytest.mark.parametrize("estimator", ["mvar_top2", "mvar_top4"])
+@pytest.mark.parametrize("estimator", ["mvar_top2", "mvar_top4", "mvar_top8"])
 def test_write_top_summaries_ties_go_to_lower_token(estimator):
     """Tokens t and 63 - t hold keys +c_t e and -c_t e (c_t = (t + 1) / 8): the mean is
     exactly 0 and the two distances are exactly equal. The kernel must store the lower
@@ -98,7 +98,7 @@ def test_write_top_summaries_ties_go_to_lower_token(estimator):
         kv[1, 0, 63 - t, :head_size] = (-c * sign).to(torch.bfloat16)
     summaries = torch.zeros(3, 1, 2 + r, head_size, dtype=torch.bfloat16)
     moira.write_page_summaries(kv, summaries, torch.tensor([PAGE + 63]))
-    order = [31, 32, 30, 33][:r]
+    order = [31, 32, 30, 33, 29, 34, 28, 35][:r]
     assert torch.equal(summaries[1, 0, 2:], kv[1, 0, order, :head_size])
     expected = ref.summarize_pages_top(kv, torch.tensor([1]), r)[0, 0]
     assert torch.equal(summaries[1, 0, 2:].float(), expected[2:])
@@ -219,7 +219,7 @@ def test_moira_decode_refuses_summaries_of_another_estimator():
 # Configuration
 # --------------------------------------------------------------------------
 def test_estimator_constants_match_reference():
-    assert moira.MOIRA_ESTIMATORS == ("mvar", "mvar_rem", "mvar_top2", "mvar_top4")
+    assert moira.MOIRA_ESTIMATORS == ("mvar", "mvar_rem", "mvar_top2", "mvar_top4", "mvar_top8")
     # Default: mvar_top4, the estimator that met issue 10's targets (docs/estimator.md).
     assert moira.MoiraConfig().estimator == moira.MOIRA_DEFAULT_ESTIMATOR == "mvar_top4"
     for estimator in moira.MOIRA_ESTIMATORS:

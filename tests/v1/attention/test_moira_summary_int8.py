@@ -48,7 +48,7 @@ def test_reference_quantizer_rule():
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("estimator", ["mvar", "mvar_top2", "mvar_top4"])
+@pytest.mark.parametrize("estimator", ["mvar", "mvar_top2", "mvar_top4", "mvar_top8"])
 def test_write_int8_summaries_matches_reference(layout, head_size, estimator):
     gen = torch.Generator().manual_seed(head_size + len(estimator))
     slots = moira.summary_slots(estimator)
@@ -98,6 +98,7 @@ def test_write_int8_summaries_of_an_all_zero_page():
         ("mvar_top4", "head_major", 3, 64, "outlier"),
         ("mvar_top2", "token_major", 4, 128, "concentrated"),
         ("mvar_top4", "head_major", 8, 128, "diffuse"),
+        ("mvar_top8", "token_major", 3, 64, "outlier"),
     ],
 )
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
@@ -123,7 +124,7 @@ def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pa
         torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)
 
 
-@pytest.mark.parametrize("estimator", ["mvar", "mvar_top4"])
+@pytest.mark.parametrize("estimator", ["mvar", "mvar_top4", "mvar_top8"])
 def test_sparse_decode_int8_matches_reference(estimator):
     """Lists equal the reference's on the stored (dequantized) summaries; the output
     matches the reference's attention over those lists."""

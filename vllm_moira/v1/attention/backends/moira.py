@@ -72,7 +72,13 @@ MOIRA_SELECTORS = ("coverage", "fixed")
 #: with the REM spread term (same 2-slot summary); "mvar_top{r}": the r keys
 #: farthest from the page mean stored exactly, the other 64 - r summarized by
 #: their mean and variance (REM spread term), summary of 2 + r slots.
-MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_rem": 0, "mvar_top2": 2, "mvar_top4": 4}
+MOIRA_ESTIMATOR_NUM_TOP = {
+    "mvar": 0,
+    "mvar_rem": 0,
+    "mvar_top2": 2,
+    "mvar_top4": 4,
+    "mvar_top8": 8,
+}
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 #: Estimator used when MOIRA_ESTIMATOR is unset (one-line switch).
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top4"

@@ -498,7 +498,7 @@ def _estimate_row_logmass_robust(
 # slot 0 = bulk mean, slot 1 = bulk (population) variance, slots 2 .. 1 + r =
 # the stored keys (farthest first). Log-mass:
 # ``logaddexp(x.mu_b + rem(x^2.var_b; 64 - r) + log(64 - r), logsumexp_j x.k_j)``.
-TOP_ESTIMATORS = {"mvar_top1": 1, "mvar_top2": 2, "mvar_top4": 4}
+TOP_ESTIMATORS = {"mvar_top1": 1, "mvar_top2": 2, "mvar_top4": 4, "mvar_top8": 8}
 
 
 def summary_slots(estimator: str) -> int:
