@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     prompts = json.loads(Path(args.prompts).read_text())
     rows = recheck(prompts, args.ids, args.gammas, args.estimators, args.max_new)
-    command = "python -m benchmarks.accuracy.recheck_docs " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.accuracy.recheck_docs " + shlex.join(sys.argv[1:])
     record = {"command": command, "where": "CPU, float32 reference", "docs": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
