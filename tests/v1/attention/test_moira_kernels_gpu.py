@@ -54,13 +54,13 @@ def test_select_lists_equal_reference(case):
     assert result["sparse_vs_fp32_max_abs_diff"] < 1.6e-2, result
 
 
-def test_int8_summaries_match_reference(case):
+@pytest.mark.parametrize("name", ["int8:mvar_top4", "int8:mvar_top8"])
+def test_int8_summaries_match_reference(case, name):
     # MOIRA_SUMMARY_DTYPE=int8: the writer's values within one int8 step of the
     # reference's quantization (fp32 summation order), Estimate on the stored values
     # vs the reference on the same values, lists equal.
     from benchmarks import moira_correctness as mc
 
-    name = "int8:mvar_top4"
     case8 = mc.estimator_case(case, name)
     summaries = mc.check_estimator_summaries(case8, name)
     assert summaries["int8_max_step_diff"] <= 1, summaries
