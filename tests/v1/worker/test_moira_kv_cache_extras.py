@@ -186,11 +186,15 @@ def test_summary_bytes_follow_the_slot_count(num_slots, fraction):
 
 
 @pytest.mark.parametrize(
-    "estimator, slots", [(None, 6), ("mvar", 2), ("mvar_rem", 2), ("mvar_top4", 6)]
-)
-def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator, slots):
-    """MOIRA_ESTIMATOR fixes the summary layout the impl allocates and accounts for
-    (unset: the default, mvar_top4, 6 slots)."""
+    "estimator, summary_dtype, rows",
+    [(None, None, 6), ("mvar", None, 2), ("mvar_rem", None, 2), ("mvar_top4", None, 6),
+     ("mvar_top4", "int8", 7), ("mvar_top8", "int8", 11)],
+)  # fmt: skip
+def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator,
+                                               summary_dtype, rows):  # fmt: skip
+    """MOIRA_ESTIMATOR and MOIRA_SUMMARY_DTYPE fix the summary layout the impl allocates
+    and accounts for (unset: the default, mvar_top4, 6 bf16 slots; int8: one more row of
+    D bytes for the scales)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker import moira_summaries as ms
     from vllm.v1.worker.utils import bind_kv_cache_to_layers, clear_layer_kv_caches
@@ -199,6 +203,11 @@ def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator,
         monkeypatch.delenv("MOIRA_ESTIMATOR", raising=False)
     else:
         monkeypatch.setenv("MOIRA_ESTIMATOR", estimator)
+    if summary_dtype is None:
+        monkeypatch.delenv("MOIRA_SUMMARY_DTYPE", raising=False)
+    else:
+        monkeypatch.setenv("MOIRA_SUMMARY_DTYPE", summary_dtype)
+    dtype, elem_bytes = (torch.int8, 1) if summary_dtype == "int8" else (torch.bfloat16, 2)
     mod = moira_module()
     cfg = make_vllm_config(write_tiny_llama(tmp_path / "m"))
     with set_current_vllm_config(cfg):
@@ -210,10 +219,11 @@ def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator,
         base = ms.live_summary_bytes()
         layer = _Layer(impl)
         bind_kv_cache_to_layers({name: kv}, {name: layer})
-        assert impl._summaries.shape == (12, 2, slots, 64)
+        assert impl._summaries.shape == (12, 2, rows, 64)
+        assert impl._summaries.dtype == dtype
         kv_bytes = kv.numel() * 2
         assert ms.live_summary_bytes() - base == impl.get_kv_cache_extras_bytes(kv_bytes)
-        assert impl.get_kv_cache_extras_bytes(kv_bytes) * 128 == kv_bytes * slots
+        assert impl.get_kv_cache_extras_bytes(kv_bytes) * 256 == kv_bytes * rows * elem_bytes
         clear_layer_kv_caches([layer])
         assert impl._summaries is None
         assert ms.live_summary_bytes() == base
