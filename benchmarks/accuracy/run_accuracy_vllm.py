@@ -130,6 +130,10 @@ def run(args) -> None:
     moira = None
     if args.backend == "MOIRA":
         from vllm.v1.attention.backends import moira
+
+        # The engine's settings (MOIRA_ESTIMATOR, MOIRA_SUMMARY_DTYPE, ...), so the record
+        # says which estimator and summary storage made it.
+        record["moira_config"] = asdict(moira.moira_config_from_env())
     for arm in arms:
         arm.update(outputs={}, pages_by_context={}, seconds=0.0)
         record["arms"].append(arm)
