@@ -32,10 +32,13 @@ from benchmarks.accuracy import harness as H
 REPO = Path(__file__).resolve().parents[2]
 
 
-def arms(estimators: list[str]) -> list[tuple[str, H.Selector]]:
+GAMMAS = (0.95, 0.98, 0.99)
+
+
+def arms(estimators: list[str], gammas=GAMMAS) -> list[tuple[str, H.Selector]]:
     out = [("dense", H.Selector("dense", None))]
     for est in estimators:
-        for g in (0.95, 0.98, 0.99):
+        for g in gammas:
             out.append(("moira", H.Selector("moira", g, est)))
     out.append(("oracle", H.Selector("oracle", 0.98)))
     return out
@@ -62,6 +65,11 @@ def main() -> None:
         "gamma=0.98 sets the reads of the equal-read arms (fixed_k, proportional: same "
         "estimator; quest: box bound)",
     )
+    ap.add_argument("--gammas", type=float, nargs="+", default=list(GAMMAS),
+                    help="coverage targets of the Moira arms; 0.98 must be among them unless "
+                    "--no-equal-reads")  # fmt: skip
+    ap.add_argument("--no-equal-reads", action="store_true",
+                    help="skip the fixed K / proportional / Quest arms (a faster run)")  # fmt: skip
     ap.add_argument("--robust", default="none", help="deprecated: adds one estimator after mvar")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/accuracy_smollm2.json"))
@@ -70,6 +78,8 @@ def main() -> None:
     if args.robust not in ("", "none"):
         estimators.append(args.robust)
     ref_estimator = estimators[0]
+    if not args.no_equal_reads and 0.98 not in args.gammas:
+        ap.error("--gammas must include 0.98 (the equal-read arms match it), or --no-equal-reads")
     t_start = time.time()
     tok, model = H.load_model(threads=args.threads or None)
     stop = (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
@@ -90,12 +100,13 @@ def main() -> None:
         ans = [t for t in dense_toks if t not in stop] or dense_toks[:1]
         dense_logits = H.forced_logits(model, cache, ans, "off")
         ref_reads = None
-        run_arms = arms(estimators)
-        for arm, sel in run_arms + [
+        run_arms = arms(estimators, args.gammas)
+        equal_reads = [] if args.no_equal_reads else [
             ("fixed_k", None),
             ("proportional", None),
             ("quest", None),
-        ]:
+        ]  # fmt: skip
+        for arm, sel in run_arms + equal_reads:
             if sel is None:  # equal reads to moira <ref_estimator> 0.98 on this document
                 pages, frac = ref_reads
                 sel = {
@@ -140,7 +151,7 @@ def main() -> None:
         print(
             f"[{time.time() - t_start:.0f}s] {task} ctx={ctx} doc={doc} "
             f"answer={sample.answers} dense={tok.decode(ans)!r} "
-            f"ref_pages={ref_reads[0]} of {-(-ids.shape[1] // H.PAGE)}",
+            f"ref_pages={ref_reads[0] if ref_reads else None} of {-(-ids.shape[1] // H.PAGE)}",
             flush=True,
         )
         write(args, per, t_start, done=False)
