@@ -587,7 +587,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem-util", type=float, default=0.92)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deadline-s", type=float, default=0, help="skip shapes after this many s")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="skip shapes that would start after this many s from the script's "
+                    "start (engine start included)")  # fmt: skip
     ap.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -743,7 +745,9 @@ def main() -> int:
         if a.backend == "MOIRA" and not selector.can_switch:
             arms = arms[:1]  # cannot switch: the env setting only (see notes)
         if a.deadline_s and time.time() - t_start > a.deadline_s:
-            print(f"SKIP {context}x{batch}: deadline", flush=True)
+            print(f"SKIP {context}x{batch}: --deadline-s {a.deadline_s:g} passed "
+                  f"({time.time() - t_start:.0f} s since start, engine start "
+                  f"{record['engine']['init_s']} s of it)", flush=True)  # fmt: skip
             for arm in arms:
                 emit(dict(base_row(ctx, context, batch, arm), skipped="deadline"))
             continue
