@@ -69,15 +69,6 @@ def capture(tok, model, context: int, seed: int, last_k: int) -> dict:
     return blob
 
 
-def split_storage(name: str) -> tuple[str | None, str]:
-    """``"int8:mvar_top4"`` -> ``("int8", "mvar_top4")``: the estimator on summaries
-    stored as the kernels store them (``bf16:`` or ``int8:``); a plain name -> (None, name),
-    the fp32 summaries."""
-    prefix, _, rest = name.partition(":")
-    storage = {"bf16": "bfloat16", "int8": "int8"}.get(prefix)
-    return (storage, rest) if storage else (None, name)
-
-
 def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, heat: dict) -> None:
     seq_total = blob["seq_len"]
     n0, n1 = (t // H.PAGE for t in blob["needle_tokens"])
@@ -94,7 +85,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, heat: dic
             if e in ref.TOP_ESTIMATORS
         }
         for e in estimators:  # "int8:mvar_top4": the summary as stored, then read back
-            storage, base = split_storage(e)
+            base, storage = ref.parse_stored_estimator(e)
             if storage is not None:
                 summaries[e] = ref.stored_summaries(
                     H.page_summaries_for(keys_all, n_full, base), storage
@@ -112,7 +103,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, heat: dic
             o_dense, _ = ref.attend_pages(q, keys, vals, dense, seq_len, scale)
             for est_name in estimators:
                 summ = summaries.get(est_name, summaries[None])
-                base = split_storage(est_name)[1]
+                base = ref.parse_stored_estimator(est_name)[0]
                 est, _ = H.estimate_logmass(q, keys, seq_len, scale, base, summ, exact)
                 pibar = ref.group_mean_shares(est)
                 for gamma in gammas:

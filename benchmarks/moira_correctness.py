@@ -84,16 +84,15 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
 
 def split_summary_dtype(name):
     """``"int8:mvar_top4"`` -> ``("mvar_top4", "int8")``; a plain estimator -> bf16."""
-    prefix, _, rest = name.partition(":")
-    return (rest, prefix) if rest else (name, "bfloat16")
+    estimator, storage = ref.parse_stored_estimator(name)
+    return estimator, storage or "bfloat16"
 
 
 def write_summaries(kv, estimator, summary_dtype="bfloat16"):
     """Summaries of every block of ``kv`` by the kernel writer of ``estimator``."""
     num_blocks = kv.shape[0]
-    rows = moira.summary_rows(moira.summary_slots(estimator), summary_dtype)
-    summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda",
-                            dtype=moira.summary_torch_dtype(summary_dtype))  # fmt: skip
+    dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
+    summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda", dtype=dtype)
     all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
     moira.write_page_summaries(kv, summaries, all_last_slots)
     return summaries
@@ -292,11 +291,9 @@ def check_estimator_summaries(case, name, num_pages=64):
     else:
         expected = ref.summarize_pages_top(case["kv"], blocks, r)
     if summary_dtype == "int8":
-        slots = 2 + r
-        stored = case["summaries"][blocks]
         q_ref, scale_ref = ref.quantize_summaries_int8(expected)
-        scales = stored[:, :, slots, : 4 * slots].contiguous().view(torch.float32)
-        steps = (stored[:, :, :slots].int() - q_ref.int()).abs()
+        q, scales = ref.split_int8_summaries(case["summaries"][blocks])
+        steps = (q.int() - q_ref.int()).abs()
         return {
             "pages_checked": num_pages * HKV,
             "int8_max_step_diff": int(steps.max()),

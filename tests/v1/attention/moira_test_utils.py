@@ -136,8 +136,7 @@ def make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimato
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen)
     query = (query * query_scale).to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
-    rows = moira.summary_rows(moira.summary_slots(estimator), summary_dtype)
-    summaries = torch.zeros(num_blocks, num_kv_heads, rows, head_size,
-                            dtype=moira.summary_torch_dtype(summary_dtype))  # fmt: skip
+    dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
+    summaries = torch.zeros(num_blocks, num_kv_heads, rows, head_size, dtype=dtype)
     moira.write_page_summaries(kv, summaries, full_page_slots(table, seq_lens))
     return kv, summaries, table, torch.tensor(seq_lens, dtype=torch.int32), query

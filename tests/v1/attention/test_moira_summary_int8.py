@@ -61,16 +61,15 @@ def test_write_int8_summaries_matches_reference(layout, head_size, estimator):
     q_ref, scale_ref = ref.quantize_summaries_int8(
         _ref_fp32_summaries(kv, torch.tensor(written), estimator)
     )
-    got = summaries[written]
-    scales = got[:, :, slots, : 4 * slots].contiguous().view(torch.float32)
+    got, scales = ref.split_int8_summaries(summaries[written])
     # The kernel's mean / variance may differ from torch's by fp32 summation order:
     # a value on a rounding boundary can land one step off, never more.
     torch.testing.assert_close(scales, scale_ref, rtol=1e-5, atol=0)
-    assert (got[:, :, :slots].int() - q_ref.int()).abs().max() <= 1
-    assert (got[:, :, :slots] == q_ref).float().mean() > 0.99
+    assert (got.int() - q_ref.int()).abs().max() <= 1
+    assert (got == q_ref).float().mean() > 0.99
     if estimator != "mvar":
         # Stored keys are bf16 values: the same fp32 input, so exactly the reference's.
-        assert torch.equal(got[:, :, 2:slots], q_ref[:, :, 2:])
+        assert torch.equal(got[:, :, 2:], q_ref[:, :, 2:])
     assert (summaries[[0, 1, 4]] == -99).all(), "pages that did not fill are untouched"
     # The stored summary reads back within half a step of the fp32 values.
     back = ref.read_summaries(summaries)[written]
@@ -83,8 +82,8 @@ def test_write_int8_summaries_of_an_all_zero_page():
     kv[1, :, :, :64] = 0.0
     summaries = torch.full((2, 1, 7, 64), 5, dtype=torch.int8)
     moira.write_page_summaries(kv, summaries, torch.tensor([PAGE + 63]))
-    assert (summaries[1, 0, :6] == 0).all()
-    assert summaries[1, 0, 6, :24].contiguous().view(torch.float32).tolist() == [0.0] * 6
+    q, scales = ref.split_int8_summaries(summaries[1, 0])
+    assert (q == 0).all() and scales.tolist() == [0.0] * 6
     assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 6, 64))
 
 
@@ -208,3 +207,13 @@ def test_config_summary_dtype():
     ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig(summary_dtype="int8"), "cpu")
     with pytest.raises(ValueError, match="cannot change.*summary_dtype"):
         ws.set_selector(moira.MoiraConfig(gamma=0.9))
+
+
+def test_summary_storage_table_and_benchmark_names():
+    assert moira.summary_storage(6, "bfloat16") == (torch.bfloat16, 6)
+    assert moira.summary_storage(6, "int8") == (torch.int8, 7)
+    with pytest.raises(ValueError, match=r"summary_dtype must be one of \('bfloat16', 'int8'\)"):
+        ms.summary_bytes_for_kv_bytes(1 << 20, 6, "fp8")
+    assert ref.parse_stored_estimator("int8:mvar_top8") == ("mvar_top8", "int8")
+    assert ref.parse_stored_estimator("bf16:mvar") == ("mvar", "bfloat16")
+    assert ref.parse_stored_estimator("mvar_top4") == ("mvar_top4", None)

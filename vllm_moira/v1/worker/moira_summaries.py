@@ -39,16 +39,11 @@ def summary_key(kv_cache: torch.Tensor) -> tuple:
     return (str(kv_cache.device), kv_cache.data_ptr(), tuple(kv_cache.shape))
 
 
-#: Summary storage -> (torch dtype, extra rows per (page, KV head) for scales).
-_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
+def _storage(num_slots: int, summary_dtype: str) -> tuple[torch.dtype, int]:
+    """(torch dtype, rows per (page, KV head)): the backend's ``summary_storage``."""
+    from vllm.v1.attention.backends.moira import summary_storage
 
-
-def _storage(summary_dtype: str) -> tuple[torch.dtype, int]:
-    if summary_dtype not in _STORAGE:
-        raise ValueError(
-            f"Moira: summary_dtype must be one of {tuple(_STORAGE)}, got {summary_dtype!r}"
-        )
-    return _STORAGE[summary_dtype]
+    return summary_storage(num_slots, summary_dtype)
 
 
 def summary_shape(
@@ -63,13 +58,13 @@ def summary_shape(
             "block size must be 64"
         )
     num_blocks, num_kv_heads, _, width = kv_cache.shape
-    _, extra_rows = _storage(summary_dtype)
-    if extra_rows and 4 * num_slots > width // 2:
+    _, rows = _storage(num_slots, summary_dtype)
+    if rows > num_slots and 4 * num_slots > width // 2:
         raise ValueError(
             f"Moira: int8 summaries of {num_slots} slots need head_size >= {4 * num_slots} "
             f"(one row of D bytes holds the fp32 scales), got {width // 2}"
         )
-    return (num_blocks, num_kv_heads, num_slots + extra_rows, width // 2)
+    return (num_blocks, num_kv_heads, rows, width // 2)
 
 
 def acquire_summaries(
@@ -84,7 +79,7 @@ def acquire_summaries(
     """
     key = summary_key(kv_cache)
     shape = summary_shape(kv_cache, num_slots, summary_dtype)
-    dtype, _ = _storage(summary_dtype)
+    dtype, _ = _storage(num_slots, summary_dtype)
     entry = _REGISTRY.get(key)
     if entry is not None and (tuple(entry[0].shape) != shape or entry[0].dtype != dtype):
         raise ValueError(
@@ -126,9 +121,8 @@ def summary_bytes_for_kv_bytes(
     hold ``num_slots + 1`` rows of D bytes: ``(num_slots + 1) / 256`` of the KV
     bytes (7/256 for mvar_top4).
     """
-    dtype, extra_rows = _storage(summary_dtype)
-    rows_bytes = (num_slots + extra_rows) * torch.tensor([], dtype=dtype).element_size()
-    return -(-kv_cache_bytes * rows_bytes // (4 * PAGE_SIZE))
+    dtype, rows = _storage(num_slots, summary_dtype)
+    return -(-kv_cache_bytes * rows * dtype.itemsize // (4 * PAGE_SIZE))
 
 
 def workspace_bytes(vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int) -> int:

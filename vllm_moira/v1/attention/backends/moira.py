@@ -87,7 +87,9 @@ MOIRA_DEFAULT_ESTIMATOR = "mvar_top4"
 #: fp32 scale per slot vector (absmax / 127), the scales in one extra row of D
 #: bytes after the slots: Estimate, bound by the summary bytes it reads, reads
 #: about half as many (docs/estimator.md, "int8 summaries").
-MOIRA_SUMMARY_DTYPES = ("bfloat16", "int8")
+#: summary dtype -> (torch dtype, extra rows per (page, KV head) for the scales).
+_SUMMARY_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
+MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
 
 # Estimate's launch configuration: pages per summary program ("each covering
 # 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
@@ -238,14 +240,16 @@ def summary_slots(estimator: str) -> int:
     return 2 + estimator_num_top(estimator)
 
 
-def summary_rows(num_slots: int, summary_dtype: str) -> int:
-    """Rows of D elements per (page, KV head) in the summary tensor: the slots,
-    plus, for int8, the row that holds their fp32 scales."""
-    return num_slots + (1 if summary_dtype == "int8" else 0)
-
-
-def summary_torch_dtype(summary_dtype: str) -> torch.dtype:
-    return torch.int8 if summary_dtype == "int8" else torch.bfloat16
+def summary_storage(num_slots: int, summary_dtype: str) -> tuple[torch.dtype, int]:
+    """(torch dtype, rows of D elements per (page, KV head)) of a summary tensor of
+    ``num_slots`` slots stored as ``summary_dtype``: the slots, plus, for int8, the
+    row that holds their fp32 scales."""
+    if summary_dtype not in _SUMMARY_STORAGE:
+        raise ValueError(
+            f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES}, got {summary_dtype!r}"
+        )
+    dtype, extra_rows = _SUMMARY_STORAGE[summary_dtype]
+    return dtype, num_slots + extra_rows
 
 
 def _summary_layout(summaries: torch.Tensor) -> tuple[int, torch.Tensor]:

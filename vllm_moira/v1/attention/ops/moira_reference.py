@@ -60,15 +60,30 @@ def dequantize_summaries_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     return q.float() * scale.float().unsqueeze(-1)
 
 
+def split_int8_summaries(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 summary tensor as the kernels store it, ``[..., S + 1, D]`` = S rows of
+    values, then one row whose first 4 S bytes are the S fp32 scales: ``(q [..., S, D],
+    scale [..., S])``."""
+    num_slots = summaries.shape[-2] - 1
+    scales = summaries[..., num_slots, : 4 * num_slots].contiguous().view(torch.float32)
+    return summaries[..., :num_slots, :], scales
+
+
 def read_summaries(summaries: torch.Tensor) -> torch.Tensor:
-    """A summary tensor as the kernels store it, back as fp32 ``[nb, H_kv, S, D]``:
-    bf16 as is; int8 ``[nb, H_kv, S + 1, D]`` = S rows of values, then one row whose
-    first 4 S bytes are the S fp32 scales."""
+    """A summary tensor as the kernels store it, back as fp32 ``[nb, H_kv, S, D]``
+    (bf16 as is; int8 dequantized, :func:`split_int8_summaries`)."""
     if summaries.dtype != torch.int8:
         return summaries.float()
-    num_slots = summaries.shape[2] - 1
-    scales = summaries[:, :, num_slots, : 4 * num_slots].contiguous().view(torch.float32)
-    return dequantize_summaries_int8(summaries[:, :, :num_slots], scales)
+    return dequantize_summaries_int8(*split_int8_summaries(summaries))
+
+
+def parse_stored_estimator(name: str) -> tuple[str, str | None]:
+    """Benchmark names for an estimator on stored summaries: ``"int8:mvar_top4"`` ->
+    ``("mvar_top4", "int8")``, ``"bf16:mvar"`` -> ``("mvar", "bfloat16")``; a plain
+    name -> ``(name, None)`` (no storage given)."""
+    prefix, _, rest = name.partition(":")
+    storage = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8"}.get(prefix)
+    return (rest, storage) if storage else (name, None)
 
 
 def stored_summaries(summaries: torch.Tensor, summary_dtype: str) -> torch.Tensor:
