@@ -751,46 +751,68 @@ def _select_row(
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
 
-    # Pass 1: per query head, max and sum of exp over the pages (softmax).
-    peak = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
-    denom = tl.zeros([GROUP_ROWS], tl.float32)
-    for t in tl.static_range(NUM_TILES):
-        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-        mask = mask_g[:, None] & (pages < num_pages)[None, :]
-        x = tl.load(
-            lm + offs_g[:, None] * stride_lm_group + pages[None, :],
-            mask=mask,
-            other=float("-inf"),
-        )
-        new_peak = tl.maximum(peak, tl.max(x, axis=1))
-        safe_peak = tl.where(new_peak == float("-inf"), 0.0, new_peak)
-        denom = denom * tl.exp(peak - safe_peak) + tl.sum(tl.exp(x - safe_peak[:, None]), axis=1)
-        peak = new_peak
-    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-    inv_denom = tl.where(mask_g, 1.0 / denom, 0.0) / GROUP_SIZE
-
-    # Pass 2: pibar = group mean of the softmax; the forced pages' shares and
-    # the largest middle share bound the threshold search.
     last = num_pages - 1
     hi = 0.0
     forced = 0.0
-    tile_pibar = tl.zeros([TILE_PAGES], tl.float32)
-    for t in tl.static_range(NUM_TILES):
-        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+    if NUM_TILES == 1:
+        # Passes 1 + 2 on one register tile: the row's log-masses are loaded
+        # once and exp is taken once. (Select is latency-bound: one program
+        # per row, so a second load of the row is a second memory round trip
+        # on the critical path.) Same values as the tiled passes below.
+        pages = tl.arange(0, TILE_PAGES)
         mask_p = pages < num_pages
         x = tl.load(
             lm + offs_g[:, None] * stride_lm_group + pages[None, :],
             mask=mask_g[:, None] & mask_p[None, :],
             other=float("-inf"),
         )
-        tile_pibar = tl.sum(tl.exp(x - safe_peak[:, None]) * inv_denom[:, None], axis=0)
-        if NUM_TILES > 1:
-            tl.store(pib_ptr + pages, tile_pibar, mask=mask_p)
+        peak = tl.max(x, axis=1)
+        safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
+        weights = tl.exp(x - safe_peak[:, None])
+        inv_denom = tl.where(mask_g, 1.0 / tl.sum(weights, axis=1), 0.0) / GROUP_SIZE
+        tile_pibar = tl.sum(weights * inv_denom[:, None], axis=0)
         middle = (pages > 0) & (pages < last)
-        hi = tl.maximum(hi, tl.max(tl.where(middle, tile_pibar, 0.0), axis=0))
+        hi = tl.max(tl.where(middle, tile_pibar, 0.0), axis=0)
         is_forced = mask_p & ((pages == 0) | (pages == last))
-        forced += tl.sum(tl.where(is_forced, tile_pibar, 0.0), axis=0)
-    if NUM_TILES > 1:
+        forced = tl.sum(tl.where(is_forced, tile_pibar, 0.0), axis=0)
+    else:
+        # Pass 1: per query head, max and sum of exp over the pages (softmax).
+        peak = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_ROWS], tl.float32)
+        for t in tl.static_range(NUM_TILES):
+            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+            mask = mask_g[:, None] & (pages < num_pages)[None, :]
+            x = tl.load(
+                lm + offs_g[:, None] * stride_lm_group + pages[None, :],
+                mask=mask,
+                other=float("-inf"),
+            )
+            new_peak = tl.maximum(peak, tl.max(x, axis=1))
+            safe_peak = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+            denom = denom * tl.exp(peak - safe_peak) + tl.sum(
+                tl.exp(x - safe_peak[:, None]), axis=1
+            )
+            peak = new_peak
+        safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
+        inv_denom = tl.where(mask_g, 1.0 / denom, 0.0) / GROUP_SIZE
+
+        # Pass 2: pibar = group mean of the softmax; the forced pages' shares
+        # and the largest middle share bound the threshold search.
+        tile_pibar = tl.zeros([TILE_PAGES], tl.float32)
+        for t in tl.static_range(NUM_TILES):
+            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+            mask_p = pages < num_pages
+            x = tl.load(
+                lm + offs_g[:, None] * stride_lm_group + pages[None, :],
+                mask=mask_g[:, None] & mask_p[None, :],
+                other=float("-inf"),
+            )
+            tile_pibar = tl.sum(tl.exp(x - safe_peak[:, None]) * inv_denom[:, None], axis=0)
+            tl.store(pib_ptr + pages, tile_pibar, mask=mask_p)
+            middle = (pages > 0) & (pages < last)
+            hi = tl.maximum(hi, tl.max(tl.where(middle, tile_pibar, 0.0), axis=0))
+            is_forced = mask_p & ((pages == 0) | (pages == last))
+            forced += tl.sum(tl.where(is_forced, tile_pibar, 0.0), axis=0)
         # Later passes re-read pibar written by other threads of this block.
         tl.debug_barrier()
 
