@@ -314,8 +314,10 @@ def check_estimator_summaries(case, name, num_pages=64):
     }
 
 
-def time_estimator(case, name, gamma=0.98):
-    """Estimate / Select / Estimate+Select / summary write of one estimator."""
+def time_estimator(case, name, gamma=0.98, sweep_launch=False):
+    """Estimate / Select / Estimate+Select / summary write of one estimator;
+    ``sweep_launch``: also Estimate under every ESTIMATE_LAUNCH candidate, each
+    checked against the default's log-masses."""
     estimator, summary_dtype = split_summary_dtype(name)
     batch = case["query"].shape[0]
     config = moira.MoiraConfig(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
@@ -332,6 +334,10 @@ def time_estimator(case, name, gamma=0.98):
             ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
             batch, case["max_pages"], ws.read_stats)
     )  # fmt: skip
+    if sweep_launch:
+        row["estimate_sweep"] = sweep_estimate_launch(
+            case, lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator), ws
+        )
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
     # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8, the
     # slots' fp32 scales).
@@ -395,22 +401,11 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def sweep_estimate_and_select(case, ws):
-    """Time Estimate and Select launch configurations (ESTIMATE_LAUNCH,
-    SELECT_LAUNCH) on this case; every Select configuration must give the same
-    page lists and counts as the default (checked, not assumed)."""
+def sweep_estimate_launch(case, estimate, ws):
+    """Time ``estimate`` under each ESTIMATE_LAUNCH (tile pages x warps); each
+    result is compared with the default configuration's log-masses."""
     batch = case["query"].shape[0]
-
-    def estimate():
-        moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
-                                    case["seq"], ws.logmass, SCALE,
-                                    ws.config.estimator)  # fmt: skip
-
-    def select():
-        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
-                           ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
-
-    out = {"estimate_sweep": [], "select_sweep": []}
+    rows = []
     default_estimate = dict(moira.ESTIMATE_LAUNCH)
     estimate()
     reference_logmass = ws.logmass[:batch].clone()
@@ -426,12 +421,31 @@ def sweep_estimate_and_select(case, ws):
                 for row, n in enumerate(case["seq_lens"])
             )  # fmt: skip
             us = graph_time_us(estimate)
-            out["estimate_sweep"].append(
+            rows.append(
                 {"tile_pages": tile_pages, "num_warps": warps, "us": us, "matches_default": same}
             )
             print("estimate", tile_pages, warps, f"{us:.2f} us", same, flush=True)
     moira.ESTIMATE_LAUNCH.clear()
     moira.ESTIMATE_LAUNCH.update(default_estimate)
+    return rows
+
+
+def sweep_estimate_and_select(case, ws):
+    """Time Estimate and Select launch configurations (ESTIMATE_LAUNCH,
+    SELECT_LAUNCH) on this case; every Select configuration must give the same
+    page lists and counts as the default (checked, not assumed)."""
+    batch = case["query"].shape[0]
+
+    def estimate():
+        moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
+                                    case["seq"], ws.logmass, SCALE,
+                                    ws.config.estimator)  # fmt: skip
+
+    def select():
+        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+                           ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
+
+    out = {"estimate_sweep": sweep_estimate_launch(case, estimate, ws), "select_sweep": []}
     estimate()
     default_select = dict(moira.SELECT_LAUNCH)
     select()
@@ -546,7 +560,8 @@ def main():
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--sweep-attend", action="store_true", help="time Attend launch configs")
     parser.add_argument("--sweep-estimate-select", action="store_true",
-                        help="time Estimate and Select launch configs (lists checked)")  # fmt: skip
+                        help="time Estimate (also per --estimators entry) and Select launch "
+                        "configs (log-masses and lists checked)")  # fmt: skip
     parser.add_argument(
         "--estimators",
         default="",
@@ -592,7 +607,9 @@ def main():
             entry.setdefault("estimators", []).append(check)
             print(shape, "estimator", json.dumps(check), flush=True)
             if not args.skip_timing:
-                timing_estimators.append(time_estimator(case_e, estimator))
+                timing_estimators.append(
+                    time_estimator(case_e, estimator, sweep_launch=args.sweep_estimate_select)
+                )
                 print(shape, "estimator timing", json.dumps(timing_estimators[-1]), flush=True)
             del case_e
         record["cases"].append(entry)

@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.v1.attention.moira_test_utils import PAGE, make_decode_batch, make_kv_cache
 from vllm_moira.v1.attention.backends import moira
@@ -41,6 +43,22 @@ def test_reference_quantizer_rule():
     back = ref.dequantize_summaries_int8(q, scale)
     # |error| <= scale / 2 per element
     assert torch.all((back - x).abs() <= scale.unsqueeze(-1) / 2 + 1e-7)
+
+
+# --------------------------------------------------------------------------
+# Estimate's int8 -> bf16 conversion (integer add, fp32 subtract, shift)
+# --------------------------------------------------------------------------
+@triton.jit
+def _kernel_int8_to_bf16(src_ptr, dst_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(dst_ptr + offs, moira._int8_to_bf16(tl.load(src_ptr + offs)))
+
+
+def test_int8_to_bf16_is_exact_for_every_byte():
+    src = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    dst = torch.full((256,), 99.0, dtype=torch.bfloat16)
+    _kernel_int8_to_bf16[(1,)](src, dst, N=256)
+    assert torch.equal(dst, src.to(torch.bfloat16))
 
 
 # --------------------------------------------------------------------------
