@@ -401,30 +401,37 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
+# Estimate launch candidates: key pipeline depths at the default tile, then
+# other tiles at the default depth.
+ESTIMATE_SWEEP = [
+    *({"key_stages": s} for s in (1, 2, 3, 4)),
+    *({"tile_pages": t, "num_warps": w} for t, w in ((32, 2), (64, 2), (128, 4), (128, 8))),
+]
+
+
 def sweep_estimate_launch(case, estimate, ws):
-    """Time ``estimate`` under each ESTIMATE_LAUNCH (tile pages x warps); each
-    result is compared with the default configuration's log-masses."""
+    """Time ``estimate`` under each ESTIMATE_SWEEP change of ESTIMATE_LAUNCH;
+    each result is compared with the default configuration's log-masses."""
     batch = case["query"].shape[0]
     rows = []
     default_estimate = dict(moira.ESTIMATE_LAUNCH)
     estimate()
     reference_logmass = ws.logmass[:batch].clone()
-    for tile_pages in (16, 32, 64, 128):
-        for warps in (2, 4, 8):
-            moira.ESTIMATE_LAUNCH.update(tile_pages=tile_pages, num_warps=warps)
-            ws.logmass[:batch].fill_(float("nan"))
-            estimate()
-            same = all(
-                torch.allclose(ws.logmass[row, ..., : math.ceil(n / PAGE)],
-                               reference_logmass[row, ..., : math.ceil(n / PAGE)],
-                               rtol=1e-5, atol=1e-4)
-                for row, n in enumerate(case["seq_lens"])
-            )  # fmt: skip
-            us = graph_time_us(estimate)
-            rows.append(
-                {"tile_pages": tile_pages, "num_warps": warps, "us": us, "matches_default": same}
-            )
-            print("estimate", tile_pages, warps, f"{us:.2f} us", same, flush=True)
+    for change in ESTIMATE_SWEEP:
+        moira.ESTIMATE_LAUNCH.update(default_estimate)
+        moira.ESTIMATE_LAUNCH.update(change)
+        launch = dict(moira.ESTIMATE_LAUNCH)
+        ws.logmass[:batch].fill_(float("nan"))
+        estimate()
+        same = all(
+            torch.allclose(ws.logmass[row, ..., : math.ceil(n / PAGE)],
+                           reference_logmass[row, ..., : math.ceil(n / PAGE)],
+                           rtol=1e-5, atol=1e-4)
+            for row, n in enumerate(case["seq_lens"])
+        )  # fmt: skip
+        us = graph_time_us(estimate)
+        rows.append({**launch, "us": us, "matches_default": same})
+        print("estimate", launch, f"{us:.2f} us", same, flush=True)
     moira.ESTIMATE_LAUNCH.clear()
     moira.ESTIMATE_LAUNCH.update(default_estimate)
     return rows

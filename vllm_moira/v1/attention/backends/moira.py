@@ -94,7 +94,7 @@ MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
 # Estimate's launch configuration: pages per summary program ("each covering
 # 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
 # --sweep-estimate-select measures alternatives.
-ESTIMATE_LAUNCH = {"tile_pages": 64, "num_warps": 4}
+ESTIMATE_LAUNCH = {"tile_pages": 64, "num_warps": 4, "key_stages": 3}
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -515,6 +515,7 @@ def kernel_moira_estimate(
     NUM_TOP: tl.constexpr = 0,
     SKIP_DENSE_ROWS: tl.constexpr = False,
     INT8: tl.constexpr = False,
+    KEY_STAGES: tl.constexpr = 1,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -599,19 +600,23 @@ def kernel_moira_estimate(
                 # (online: running max and sum of exp relative to it).
                 peak = est
                 total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
-                for j in tl.static_range(NUM_TOP):
+                # A loop Triton software-pipelines (KEY_STAGES): the next
+                # keys' tiles are copied asynchronously into shared memory
+                # while this key's product runs. Estimate is latency-bound
+                # per tile (block table, then the summary loads, then the
+                # products); unrolled, each key's load waited about a memory
+                # round trip behind the previous key's product.
+                for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
                     key = tl.load(
                         summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
                         mask=mask_p[:, None],
                         other=0.0,
                     )
+                    logit = tl.dot(_int8_to_bf16(key) if INT8 else key, tl.trans(q)) * scale
                     if INT8:
-                        key_scale = tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)
-                        key = _int8_to_bf16(key)
-                        logit = tl.dot(key, tl.trans(q)) * scale
-                        logit = logit * key_scale[:, None]
-                    else:
-                        logit = tl.dot(key, tl.trans(q)) * scale
+                        logit = (
+                            logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
+                        )
                     new_peak = tl.maximum(peak, logit)
                     total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
                     peak = new_peak
@@ -707,6 +712,7 @@ def estimate_page_logmass(
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=summaries.dtype == torch.int8,
+        KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
