@@ -71,12 +71,17 @@ def page_summaries_ext(keys: torch.Tensor, n_full: int) -> torch.Tensor:
 
 def page_summaries_for(keys: torch.Tensor, n_full: int, estimator: str) -> torch.Tensor:
     """Summaries an estimator reads: ``mvar_top{r}`` layout ``[n_full, H, 2 + r, D]``,
-    else the 4-slot ext layout (slots 0-1 = the paper's mean/var)."""
+    else the 4-slot ext layout (slots 0-1 = the paper's mean/var). ``int8:`` / ``bf16:``
+    before the name (e.g. ``int8:mvar_top8``, the backend's default): the summaries as
+    that storage gives them back to Estimate (``ref.stored_summaries``)."""
+    estimator, storage = ref.parse_stored_estimator(estimator)
     if estimator in ref.TOP_ESTIMATORS:
         h, _, d = keys.shape
         pages = keys[:, : n_full * PAGE].reshape(h, n_full, PAGE, d).permute(1, 0, 2, 3)
-        return ref.summarize_key_pages_top(pages, ref.TOP_ESTIMATORS[estimator])
-    return page_summaries_ext(keys, n_full)
+        summaries = ref.summarize_key_pages_top(pages, ref.TOP_ESTIMATORS[estimator])
+    else:
+        summaries = page_summaries_ext(keys, n_full)
+    return summaries if storage is None else ref.stored_summaries(summaries, storage)
 
 
 def estimate_logmass(
@@ -100,6 +105,7 @@ def estimate_logmass(
         return exact.clone(), exact
     if summaries is None:
         summaries = page_summaries_for(keys, seq_len // PAGE, estimator)
+    estimator, _ = ref.parse_stored_estimator(estimator)  # storage: in the summaries
     summ = summaries[:n]
     if summ.shape[0] < n:  # current page partial: pad (overwritten below)
         summ = torch.cat([summ, summ[-1:].expand(n - summ.shape[0], -1, -1, -1)])

@@ -498,7 +498,10 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
 
     qshape, sshape, bt, sl, ws = calls["decode"]
     assert tuple(qshape) == (3, 4, 64)
-    assert tuple(sshape) == (16, 2, mod.summary_slots(mod.MOIRA_DEFAULT_ESTIMATOR), 64)
+    _, summary_rows = mod.summary_storage(
+        mod.summary_slots(mod.MOIRA_DEFAULT_ESTIMATOR), mod.MOIRA_DEFAULT_SUMMARY_DTYPE
+    )
+    assert tuple(sshape) == (16, 2, summary_rows, 64)
     assert bt is md.decode_block_table and sl is md.decode_seq_lens
     assert ws is builder.workspace
     fq, fk, fmd = calls["fa"]

@@ -187,14 +187,14 @@ def test_summary_bytes_follow_the_slot_count(num_slots, fraction):
 
 @pytest.mark.parametrize(
     "estimator, summary_dtype, rows",
-    [(None, None, 6), ("mvar", None, 2), ("mvar_rem", None, 2), ("mvar_top4", None, 6),
-     ("mvar_top4", "int8", 7), ("mvar_top8", "int8", 11)],
+    [(None, None, 11), ("mvar", None, 3), ("mvar", "bfloat16", 2), ("mvar_rem", "bfloat16", 2),
+     ("mvar_top4", "bfloat16", 6), ("mvar_top4", "int8", 7), ("mvar_top8", "int8", 11)],
 )  # fmt: skip
 def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator,
                                                summary_dtype, rows):  # fmt: skip
     """MOIRA_ESTIMATOR and MOIRA_SUMMARY_DTYPE fix the summary layout the impl allocates
-    and accounts for (unset: the default, mvar_top4, 6 bf16 slots; int8: one more row of
-    D bytes for the scales)."""
+    and accounts for (unset: the default, mvar_top8 in int8: 10 slots and one more row of
+    D bytes for the scales; bfloat16: the slots only)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker import moira_summaries as ms
     from vllm.v1.worker.utils import bind_kv_cache_to_layers, clear_layer_kv_caches
@@ -207,7 +207,8 @@ def test_moira_impl_summaries_follow_estimator(tmp_path, monkeypatch, estimator,
         monkeypatch.delenv("MOIRA_SUMMARY_DTYPE", raising=False)
     else:
         monkeypatch.setenv("MOIRA_SUMMARY_DTYPE", summary_dtype)
-    dtype, elem_bytes = (torch.int8, 1) if summary_dtype == "int8" else (torch.bfloat16, 2)
+    stored_as = summary_dtype or "int8"  # the default storage
+    dtype, elem_bytes = (torch.int8, 1) if stored_as == "int8" else (torch.bfloat16, 2)
     mod = moira_module()
     cfg = make_vllm_config(write_tiny_llama(tmp_path / "m"))
     with set_current_vllm_config(cfg):
@@ -259,16 +260,20 @@ def test_moira_impl_hook_end_to_end(tmp_path):
         base = ms.live_summary_bytes()
         bind_kv_cache_to_layers({n: shared_kv for n in names}, ctx)
         assert impls[0]._summaries is impls[1]._summaries
-        slots = mod.summary_slots(mod.MOIRA_DEFAULT_ESTIMATOR)
-        assert impls[0]._summaries.shape == (12, 2, slots, 64)
-        assert ms.live_summary_bytes() - base == 12 * 2 * slots * 64 * 2
+        dtype, rows = mod.summary_storage(
+            mod.summary_slots(mod.MOIRA_DEFAULT_ESTIMATOR), mod.MOIRA_DEFAULT_SUMMARY_DTYPE
+        )
+        summary_bytes = 12 * 2 * rows * 64 * torch.empty((), dtype=dtype).element_size()
+        assert impls[0]._summaries.shape == (12, 2, rows, 64)
+        assert impls[0]._summaries.dtype == dtype
+        assert ms.live_summary_bytes() - base == summary_bytes
 
         kv_bytes = shared_kv.numel() * 2
         ws_bytes = ms.workspace_bytes(cfg, 4, 2, 64)
         builder_ws = mod.MoiraWorkspace(8, 4, 2, 64, 1024 // 64, mod.MoiraConfig(), "cpu")
         assert ws_bytes == builder_ws.nbytes() > 0
         total = get_kv_cache_extras_bytes(list(ctx.values()), 2 * kv_bytes)
-        assert total == 2 * (kv_bytes * slots // 128) + ws_bytes
+        assert total == 2 * summary_bytes + ws_bytes
 
         clear_layer_kv_caches(ctx.values())
         assert impls[0]._summaries is None and impls[1]._summaries is None
@@ -298,6 +303,6 @@ def test_lazy_fallback_allocates_and_follows_view_changes(tmp_path):
     kv2 = torch.zeros(6, 2, 64, 128, dtype=torch.bfloat16)
     s2 = impl._get_summaries(kv2)
     assert s2.shape[0] == 6
-    assert ms.live_summary_bytes() - base == s2.numel() * 2  # old one released
+    assert ms.live_summary_bytes() - base == s2.numel() * s2.element_size()  # old one released
     impl.release_kv_cache_extras(None)
     assert ms.live_summary_bytes() == base

@@ -81,7 +81,7 @@ MOIRA_ESTIMATOR_NUM_TOP = {
 }
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 #: Estimator used when MOIRA_ESTIMATOR is unset (one-line switch).
-MOIRA_DEFAULT_ESTIMATOR = "mvar_top4"
+MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
 #: How page summaries are stored (MOIRA_SUMMARY_DTYPE). "bfloat16": each slot
 #: vector as D bf16 values (the paper's summary). "int8": D int8 values and one
 #: fp32 scale per slot vector (absmax / 127), the scales in one extra row of D
@@ -90,11 +90,17 @@ MOIRA_DEFAULT_ESTIMATOR = "mvar_top4"
 #: summary dtype -> (torch dtype, extra rows per (page, KV head) for the scales).
 _SUMMARY_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
 MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
+#: Summary storage when MOIRA_SUMMARY_DTYPE is unset. int8 with the default
+#: estimator: docs/estimator.md, "The default".
+MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 
-# Estimate's launch configuration: pages per summary program ("each covering
-# 64 pages", paper App. A) and warps. benchmarks/moira_correctness.py
-# --sweep-estimate-select measures alternatives.
-ESTIMATE_LAUNCH = {"tile_pages": 64, "num_warps": 4, "key_stages": 3}
+# Estimate's launch configuration: pages per summary program (the paper's
+# App. A uses 64), warps, and the software-pipeline depth of the stored-key
+# loop. benchmarks/moira_correctness.py --sweep-estimate-select measures
+# alternatives; 32 pages on 2 warps with 3 stages was the fastest or within 3%
+# of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and 32x8192
+# (docs/benchmarks.md, "Estimate's stored-key loop").
+ESTIMATE_LAUNCH = {"tile_pages": 32, "num_warps": 2, "key_stages": 3}
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -151,7 +157,7 @@ class MoiraConfig:
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
     #: Storage of the summaries (one of MOIRA_SUMMARY_DTYPES); fixes their
     #: dtype and shape when the KV cache is allocated, like the estimator.
-    summary_dtype: str = "bfloat16"
+    summary_dtype: str = MOIRA_DEFAULT_SUMMARY_DTYPE
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option and its allowed values."""
@@ -204,7 +210,7 @@ class MoiraConfig:
         if self.summary_dtype not in MOIRA_SUMMARY_DTYPES:
             raise ValueError(
                 f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES} "
-                f"(default 'bfloat16'), got {self.summary_dtype!r}"
+                f"(default {MOIRA_DEFAULT_SUMMARY_DTYPE!r}), got {self.summary_dtype!r}"
             )
 
     @property
@@ -600,12 +606,12 @@ def kernel_moira_estimate(
                 # (online: running max and sum of exp relative to it).
                 peak = est
                 total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
-                # A loop Triton software-pipelines (KEY_STAGES): the next
-                # keys' tiles are copied asynchronously into shared memory
-                # while this key's product runs. Estimate is latency-bound
-                # per tile (block table, then the summary loads, then the
-                # products); unrolled, each key's load waited about a memory
-                # round trip behind the previous key's product.
+                # A loop that Triton software-pipelines (KEY_STAGES > 1: the
+                # next keys' tiles are copied asynchronously into shared
+                # memory while this key's product runs). Unrolled, each key
+                # was loaded one product ahead at most; the loop took int8
+                # mvar_top8 from 50 to 45 us at 4x131072 (42 us on 32-page
+                # tiles), bf16 mvar_top4 from 34 to 32 us.
                 for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
                     key = tl.load(
                         summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
