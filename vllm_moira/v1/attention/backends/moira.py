@@ -611,7 +611,8 @@ def kernel_moira_estimate(
                 # memory while this key's product runs). Unrolled, each key
                 # was loaded one product ahead at most; the loop took int8
                 # mvar_top8 from 50 to 45 us at 4x131072 (42 us on 32-page
-                # tiles), bf16 mvar_top4 from 34 to 32 us.
+                # tiles), bf16 mvar_top4 from 34 to 32 us; int8 mvar_top4 lost
+                # (27 -> 31 us): docs/benchmarks.md, "Estimate's stored-key loop".
                 for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
                     key = tl.load(
                         summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
