@@ -85,8 +85,8 @@ MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
 #: How page summaries are stored (MOIRA_SUMMARY_DTYPE). "bfloat16": each slot
 #: vector as D bf16 values (the paper's summary). "int8": D int8 values and one
 #: fp32 scale per slot vector (absmax / 127), the scales in one extra row of D
-#: bytes after the slots: Estimate, bound by the summary bytes it reads, reads
-#: about half as many (docs/estimator.md, "int8 summaries").
+#: bytes after the slots: about half the memory and the bytes Estimate reads
+#: (not half its time: docs/estimator.md, "int8 summaries").
 #: summary dtype -> (torch dtype, extra rows per (page, KV head) for the scales).
 _SUMMARY_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
 MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
@@ -474,14 +474,14 @@ def _is_dense_row(num_pages, selector_ptr):
 
 @triton.jit
 def _int8_to_bf16(x):
-    # Exact int8 -> bf16 without the hardware conversions: cvt from int8 to
-    # fp32 and from fp32 to bf16 run at a fraction of the ALU rate on Hopper,
-    # and at 2 per summary byte they, not the bytes, bounded Estimate (int8
-    # summaries read at ~1.7 TB/s vs bf16's ~2.9). Instead: the fp32 bits of
+    # Exact int8 -> bf16 in integer and fp32 arithmetic instead of the two
+    # hardware conversions (int8 -> fp32 -> bf16): the fp32 bits of
     # 2^23 + 128 + v hold v + 128 in the mantissa (one integer add), one fp32
     # subtraction gives v, and since |v| <= 128 has at most 8 significant bits
     # its fp32 bits end in 16 zeros: the upper half is v in bf16 (a shift).
-    # Also avoids the interpreter's bit reinterpretation on int8 -> bf16.
+    # Measured: int8 mvar_top8's Estimate 52.4 -> 50.3 us at 4x131072 (the
+    # conversions were not what bounds it; docs/benchmarks.md). Also avoids the
+    # interpreter's bit reinterpretation on a direct int8 -> bf16 cast.
     bits = x.to(tl.int32) + 0x4B000080
     value = bits.to(tl.float32, bitcast=True) - 8388736.0
     upper = value.to(tl.int32, bitcast=True) >> 16
@@ -778,68 +778,46 @@ def _select_row(
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
 
+    # Pass 1: per query head, max and sum of exp over the pages (softmax).
+    peak = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_ROWS], tl.float32)
+    for t in tl.static_range(NUM_TILES):
+        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+        mask = mask_g[:, None] & (pages < num_pages)[None, :]
+        x = tl.load(
+            lm + offs_g[:, None] * stride_lm_group + pages[None, :],
+            mask=mask,
+            other=float("-inf"),
+        )
+        new_peak = tl.maximum(peak, tl.max(x, axis=1))
+        safe_peak = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+        denom = denom * tl.exp(peak - safe_peak) + tl.sum(tl.exp(x - safe_peak[:, None]), axis=1)
+        peak = new_peak
+    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
+    inv_denom = tl.where(mask_g, 1.0 / denom, 0.0) / GROUP_SIZE
+
+    # Pass 2: pibar = group mean of the softmax; the forced pages' shares and
+    # the largest middle share bound the threshold search.
     last = num_pages - 1
     hi = 0.0
     forced = 0.0
-    if NUM_TILES == 1:
-        # Passes 1 + 2 on one register tile: the row's log-masses are loaded
-        # once and exp is taken once. (Select is latency-bound: one program
-        # per row, so a second load of the row is a second memory round trip
-        # on the critical path.) Same values as the tiled passes below.
-        pages = tl.arange(0, TILE_PAGES)
+    tile_pibar = tl.zeros([TILE_PAGES], tl.float32)
+    for t in tl.static_range(NUM_TILES):
+        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
         mask_p = pages < num_pages
         x = tl.load(
             lm + offs_g[:, None] * stride_lm_group + pages[None, :],
             mask=mask_g[:, None] & mask_p[None, :],
             other=float("-inf"),
         )
-        peak = tl.max(x, axis=1)
-        safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-        weights = tl.exp(x - safe_peak[:, None])
-        inv_denom = tl.where(mask_g, 1.0 / tl.sum(weights, axis=1), 0.0) / GROUP_SIZE
-        tile_pibar = tl.sum(weights * inv_denom[:, None], axis=0)
-        middle = (pages > 0) & (pages < last)
-        hi = tl.max(tl.where(middle, tile_pibar, 0.0), axis=0)
-        is_forced = mask_p & ((pages == 0) | (pages == last))
-        forced = tl.sum(tl.where(is_forced, tile_pibar, 0.0), axis=0)
-    else:
-        # Pass 1: per query head, max and sum of exp over the pages (softmax).
-        peak = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
-        denom = tl.zeros([GROUP_ROWS], tl.float32)
-        for t in tl.static_range(NUM_TILES):
-            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-            mask = mask_g[:, None] & (pages < num_pages)[None, :]
-            x = tl.load(
-                lm + offs_g[:, None] * stride_lm_group + pages[None, :],
-                mask=mask,
-                other=float("-inf"),
-            )
-            new_peak = tl.maximum(peak, tl.max(x, axis=1))
-            safe_peak = tl.where(new_peak == float("-inf"), 0.0, new_peak)
-            denom = denom * tl.exp(peak - safe_peak) + tl.sum(
-                tl.exp(x - safe_peak[:, None]), axis=1
-            )
-            peak = new_peak
-        safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-        inv_denom = tl.where(mask_g, 1.0 / denom, 0.0) / GROUP_SIZE
-
-        # Pass 2: pibar = group mean of the softmax; the forced pages' shares
-        # and the largest middle share bound the threshold search.
-        tile_pibar = tl.zeros([TILE_PAGES], tl.float32)
-        for t in tl.static_range(NUM_TILES):
-            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-            mask_p = pages < num_pages
-            x = tl.load(
-                lm + offs_g[:, None] * stride_lm_group + pages[None, :],
-                mask=mask_g[:, None] & mask_p[None, :],
-                other=float("-inf"),
-            )
-            tile_pibar = tl.sum(tl.exp(x - safe_peak[:, None]) * inv_denom[:, None], axis=0)
+        tile_pibar = tl.sum(tl.exp(x - safe_peak[:, None]) * inv_denom[:, None], axis=0)
+        if NUM_TILES > 1:
             tl.store(pib_ptr + pages, tile_pibar, mask=mask_p)
-            middle = (pages > 0) & (pages < last)
-            hi = tl.maximum(hi, tl.max(tl.where(middle, tile_pibar, 0.0), axis=0))
-            is_forced = mask_p & ((pages == 0) | (pages == last))
-            forced += tl.sum(tl.where(is_forced, tile_pibar, 0.0), axis=0)
+        middle = (pages > 0) & (pages < last)
+        hi = tl.maximum(hi, tl.max(tl.where(middle, tile_pibar, 0.0), axis=0))
+        is_forced = mask_p & ((pages == 0) | (pages == last))
+        forced += tl.sum(tl.where(is_forced, tile_pibar, 0.0), axis=0)
+    if NUM_TILES > 1:
         # Later passes re-read pibar written by other threads of this block.
         tl.debug_barrier()
 
