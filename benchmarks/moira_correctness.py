@@ -335,9 +335,16 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
             batch, case["max_pages"], ws.read_stats)
     )  # fmt: skip
     if sweep_launch:
-        row["estimate_sweep"] = sweep_estimate_launch(
-            case, lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator), ws
-        )
+        estimate = lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)  # noqa: E731
+        row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
+        estimate()
+        row["select_sweep"] = sweep_select_launch(
+            ws,
+            lambda: moira.select_pages(
+                ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+                ws.selector_params, batch, case["max_pages"], ws.read_stats),
+            batch,
+        )  # fmt: skip
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
     # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8, the
     # slots' fp32 scales).
@@ -401,12 +408,18 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-# Estimate launch candidates: key pipeline depths at the default tile, then
-# other tiles at the default depth.
+# Estimate launch candidates: key pipeline depths at the default tile, other
+# tiles at the default depth, then several tiles per program in the
+# software-pipelined tile loop (tiles x pages, warps, tile stages).
 ESTIMATE_SWEEP = [
-    *({"key_stages": s} for s in (1, 2, 3, 4)),
-    *({"tile_pages": t, "num_warps": w} for t, w in ((32, 2), (64, 2), (128, 4), (128, 8))),
-]
+    *({"key_stages": s, "tiles_per_program": 1} for s in (1, 2, 3, 4)),
+    *({"tile_pages": t, "num_warps": w, "tiles_per_program": 1}
+      for t, w in ((32, 2), (64, 2), (128, 4))),
+    *({"tile_pages": t, "num_warps": w, "tiles_per_program": n, "tile_stages": st}
+      for t, w, n, st in ((16, 2, 4, 2), (16, 2, 8, 2), (16, 2, 8, 3), (32, 2, 2, 2),
+                          (32, 2, 4, 2), (32, 2, 4, 3), (32, 2, 8, 2), (32, 4, 4, 2),
+                          (32, 4, 8, 3), (64, 4, 2, 2), (64, 4, 4, 2))),
+]  # fmt: skip
 
 
 def sweep_estimate_launch(case, estimate, ws):
@@ -452,8 +465,16 @@ def sweep_estimate_and_select(case, ws):
         moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
                            ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
 
-    out = {"estimate_sweep": sweep_estimate_launch(case, estimate, ws), "select_sweep": []}
+    out = {"estimate_sweep": sweep_estimate_launch(case, estimate, ws)}
     estimate()
+    out["select_sweep"] = sweep_select_launch(ws, select, batch)
+    return out
+
+
+def sweep_select_launch(ws, select, batch):
+    """Time Select under each SELECT_LAUNCH candidate on the log-masses in
+    ``ws``; each must give the default's page lists and counts."""
+    rows = []
     default_select = dict(moira.SELECT_LAUNCH)
     select()
     reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
@@ -469,13 +490,12 @@ def sweep_estimate_and_select(case, ws):
                 same = bool(torch.equal(ws.page_list[:batch, :, :width],
                                         reference_lists[0][:, :, :width]))  # fmt: skip
             us = graph_time_us(select)
-            out["select_sweep"].append(
-                {"long_lanes": lanes, "long_num_warps": warps, "us": us, "same_lists": same}
-            )
+            rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
+                         "same_lists": same})  # fmt: skip
             print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
     moira.SELECT_LAUNCH.clear()
     moira.SELECT_LAUNCH.update(default_select)
-    return out
+    return rows
 
 
 def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_select=False):

@@ -118,9 +118,14 @@ def test_write_int8_summaries_of_an_all_zero_page():
         ("mvar_top8", "token_major", 3, 64, "outlier"),
     ],
 )
+# One tile per program, and three 16-page tiles per program in the software-
+# pipelined tile loop (a program's last tiles past the row's end).
+@pytest.mark.parametrize("tiles_per_program", [1, 3], ids=lambda n: f"tiles_per_program{n}")
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
-                                         monkeypatch):  # fmt: skip
+                                         tiles_per_program, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tiles_per_program", tiles_per_program)
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_stages", 2)
     seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,

@@ -100,7 +100,13 @@ MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 # alternatives; 32 pages on 2 warps with 3 stages was the fastest or within 3%
 # of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and 32x8192
 # (docs/benchmarks.md, "Estimate's stored-key loop").
-ESTIMATE_LAUNCH = {"tile_pages": 32, "num_warps": 2, "key_stages": 3}
+ESTIMATE_LAUNCH = {
+    "tile_pages": 32,
+    "num_warps": 2,
+    "key_stages": 3,
+    "tiles_per_program": 1,
+    "tile_stages": 1,
+}
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -489,6 +495,108 @@ def _int8_to_bf16(x):
 
 
 @triton.jit
+def _summary_tile_logmass(
+    q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
+    q_sq_hi,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
+    q_sq_lo,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
+    scale,
+    summaries_ptr,
+    scales_ptr,
+    bt_row,  # this row's block table
+    pages,  # [TILE_PAGES] logical pages of the tile
+    mask_p,  # [TILE_PAGES] pages the tile estimates
+    head,
+    stride_sum_block,
+    stride_sum_head,
+    stride_scale_block,
+    stride_scale_head,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    TILE_PAGES: tl.constexpr,
+    REM_SPREAD: tl.constexpr,
+    NUM_TOP: tl.constexpr,
+    INT8: tl.constexpr,
+    KEY_STAGES: tl.constexpr,
+):
+    # The summary estimate of one tile of pages, all G query heads at once on
+    # the tensor cores: [TILE_PAGES, GROUP_ROWS] fp32. Products of bf16 values
+    # are exact in the fp32 accumulator, so the mean term is fp32-exact up to
+    # summation order; (s q)^2 is split into two bf16 parts (hi + lo) so the
+    # spread term keeps ~16 significant bits. INT8 summaries: the int8 values
+    # are exact in bf16, so each slot's product is taken as stored and scaled
+    # by the slot's fp32 scale afterwards (one multiply per page).
+    offs_d = tl.arange(0, HEAD_SIZE)
+    blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
+    summary = summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
+    mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    if INT8:
+        page_scales = scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
+        mean_scale = tl.load(page_scales, mask=mask_p, other=0.0)[:, None]
+        var_scale = tl.load(page_scales + 1, mask=mask_p, other=0.0)[:, None]
+        mean = _int8_to_bf16(mean)
+        var = _int8_to_bf16(var)
+
+    # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
+    est = tl.dot(mean, tl.trans(q)) * scale
+    if INT8:
+        est = est * mean_scale
+    v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
+    if INT8:
+        v = v * var_scale
+    if REM_SPREAD:
+        # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of the
+        # random energy model over the m = 64 - r summarized keys, v / 2 up to
+        # v = 2 ln m, then linear in sqrt(v).
+        log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
+        v = tl.maximum(v, 0.0)
+        spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
+        est += spread + log_m
+    else:
+        est += 0.5 * v
+        est += tl.log(PAGE_SIZE * 1.0)
+    if NUM_TOP > 0:
+        # logaddexp of the bulk and the stored keys' exact logits (online:
+        # running max and sum of exp relative to it).
+        peak = est
+        total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
+        if KEY_STAGES > 0:
+            # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
+            # keys' tiles are copied asynchronously into shared memory while
+            # this key's product runs). Unrolled, each key was loaded one
+            # product ahead at most; the loop took int8 mvar_top8 from 50 to
+            # 45 us at 4x131072 (42 us on 32-page tiles), bf16 mvar_top4 from
+            # 34 to 32 us; int8 mvar_top4 lost (27 -> 31 us):
+            # docs/benchmarks.md, "Estimate's stored-key loop".
+            for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
+                key = tl.load(
+                    summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
+                )
+                logit = tl.dot(_int8_to_bf16(key) if INT8 else key, tl.trans(q)) * scale
+                if INT8:
+                    logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
+                new_peak = tl.maximum(peak, logit)
+                total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
+                peak = new_peak
+        else:
+            # Unrolled (KEY_STAGES = 0): inside the multi-tile loop, whose
+            # software pipeline then prefetches the next tiles' keys too.
+            for j in tl.static_range(NUM_TOP):
+                key = tl.load(
+                    summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
+                )
+                logit = tl.dot(_int8_to_bf16(key) if INT8 else key, tl.trans(q)) * scale
+                if INT8:
+                    logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
+                new_peak = tl.maximum(peak, logit)
+                total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
+                peak = new_peak
+        est = peak + tl.log(total)
+    return est
+
+
+@triton.jit
 def kernel_moira_estimate(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
@@ -522,29 +630,27 @@ def kernel_moira_estimate(
     SKIP_DENSE_ROWS: tl.constexpr = False,
     INT8: tl.constexpr = False,
     KEY_STAGES: tl.constexpr = 1,
+    TILES_PER_PROGRAM: tl.constexpr = 1,
+    TILE_STAGES: tl.constexpr = 1,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
     # exact pages (a 64-key read and a softmax) do not lengthen the critical
     # path of the summary tiles, and first in launch order (z varies slowest),
     # so that they do not run as a tail after the tiles. z >= 2: the summary
-    # estimate of TILE_PAGES pages, all G query heads at once on the tensor
-    # cores. Products of bf16
-    # values are exact in the fp32 accumulator, so the mean term is fp32-exact
-    # up to summation order; (s q)^2 is split into two bf16 parts (hi + lo) so
-    # the spread term keeps ~16 significant bits. INT8 summaries: the int8
-    # values are exact in bf16, so each slot's product is taken as stored and
-    # scaled by the slot's fp32 scale afterwards (one multiply per page).
+    # estimate of TILES_PER_PROGRAM consecutive tiles of TILE_PAGES pages
+    # (> 1: one loop that Triton software-pipelines over TILE_STAGES tiles,
+    # the next tiles' summaries in flight during this tile's products).
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
-    tile = z - 2
+    first_page = (z - 2) * (TILES_PER_PROGRAM * TILE_PAGES)
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
-    idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
+    idle = (num_pages == 0) | ((z >= 2) & (first_page >= num_pages))
     idle = idle | ((z == 1) & (last == 0))
     if SKIP_DENSE_ROWS:
         # Rows that Select keeps whole (dense_batch_tokens) need no estimate.
@@ -564,81 +670,42 @@ def kernel_moira_estimate(
     )
     lm_row = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     if z >= 2:
-        pages = tile * TILE_PAGES + tl.arange(0, TILE_PAGES)
-        # Page 0 and the current page belong to the exact programs.
-        mask_p = (pages > 0) & (pages < last)
-        blocks = tl.load(block_table_ptr + row * stride_bt_row + pages, mask=mask_p, other=0)
-        summary = (
-            summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
-        )
-        mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
-        var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
-        if INT8:
-            page_scales = (
-                scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
-            )
-            mean_scale = tl.load(page_scales, mask=mask_p, other=0.0)[:, None]
-            var_scale = tl.load(page_scales + 1, mask=mask_p, other=0.0)[:, None]
-            mean = _int8_to_bf16(mean)
-            var = _int8_to_bf16(var)
-
-        # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
         q_scaled = q.to(tl.float32) * scale
         q_sq = q_scaled * q_scaled
         q_sq_hi = q_sq.to(tl.bfloat16)
         q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
-        est = tl.dot(mean, tl.trans(q)) * scale
-        if INT8:
-            est = est * mean_scale
-        if REM_SPREAD:
-            # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of
-            # the random energy model over the m = 64 - r summarized keys,
-            # v / 2 up to v = 2 ln m, then linear in sqrt(v).
-            log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
-            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-            if INT8:
-                v = v * var_scale
-            v = tl.maximum(v, 0.0)
-            spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
-            est += spread + log_m
-            if NUM_TOP > 0:
-                # logaddexp of the bulk and the stored keys' exact logits
-                # (online: running max and sum of exp relative to it).
-                peak = est
-                total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
-                # A loop that Triton software-pipelines (KEY_STAGES > 1: the
-                # next keys' tiles are copied asynchronously into shared
-                # memory while this key's product runs). Unrolled, each key
-                # was loaded one product ahead at most; the loop took int8
-                # mvar_top8 from 50 to 45 us at 4x131072 (42 us on 32-page
-                # tiles), bf16 mvar_top4 from 34 to 32 us; int8 mvar_top4 lost
-                # (27 -> 31 us): docs/benchmarks.md, "Estimate's stored-key loop".
-                for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
-                    key = tl.load(
-                        summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
-                        mask=mask_p[:, None],
-                        other=0.0,
-                    )
-                    logit = tl.dot(_int8_to_bf16(key) if INT8 else key, tl.trans(q)) * scale
-                    if INT8:
-                        logit = (
-                            logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
-                        )
-                    new_peak = tl.maximum(peak, logit)
-                    total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
-                    peak = new_peak
-                est = peak + tl.log(total)
+        bt_row = block_table_ptr + row * stride_bt_row
+        if TILES_PER_PROGRAM == 1:
+            pages = first_page + tl.arange(0, TILE_PAGES)
+            # Page 0 and the current page belong to the exact programs.
+            mask_p = (pages > 0) & (pages < last)
+            est = _summary_tile_logmass(
+                q, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages, mask_p,
+                head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
+                GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
+                KEY_STAGES,
+            )  # fmt: skip
+            tl.store(
+                lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
+                est,
+                mask=mask_p[:, None] & mask_g[None, :],
+            )
         else:
-            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-            if INT8:
-                v = v * var_scale
-            est += 0.5 * v
-            est += tl.log(PAGE_SIZE * 1.0)
-        tl.store(
-            lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
-            est,
-            mask=mask_p[:, None] & mask_g[None, :],
-        )
+            num_tiles = tl.minimum(TILES_PER_PROGRAM, tl.cdiv(num_pages - first_page, TILE_PAGES))
+            for t in tl.range(0, num_tiles, num_stages=TILE_STAGES):
+                pages = first_page + t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+                mask_p = (pages > 0) & (pages < last)
+                est = _summary_tile_logmass(
+                    q, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages,
+                    mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
+                    stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
+                    NUM_TOP, INT8, 0,
+                )  # fmt: skip
+                tl.store(
+                    lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
+                    est,
+                    mask=mask_p[:, None] & mask_g[None, :],
+                )
     else:
         # The sink page (z = 0) or the current page (z = 1), from the keys.
         page = tl.where(z == 0, 0, last)
@@ -684,8 +751,9 @@ def estimate_page_logmass(
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
+    tiles_per_program = ESTIMATE_LAUNCH["tiles_per_program"]
     # The two exact-page programs (sink, current page), then the summary tiles.
-    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
+    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages * tiles_per_program))
     kernel_moira_estimate[grid](
         query,
         kv_cache,
@@ -720,6 +788,8 @@ def estimate_page_logmass(
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=summaries.dtype == torch.int8,
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
+        TILES_PER_PROGRAM=tiles_per_program,
+        TILE_STAGES=ESTIMATE_LAUNCH["tile_stages"],
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
@@ -845,19 +915,22 @@ def _select_row(
         new_lo = lo
         new_hi = hi
         if LANES > 1:
-            ks = tl.arange(0, LANES)
-            taus = lo + width * ks / kb
-            pages = tl.arange(0, TILE_PAGES)
-            middle = (pages > 0) & (pages < num_pages - 1)
-            weight = tl.where(by_count, 1.0, tile_pibar)
-            above = middle[:, None] & (tile_pibar[:, None] >= taus[None, :])
-            kept = tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
-            active = (ks >= 1) & (ks < kb)
-            reached = active & (kept >= target)
-            new_lo = tl.maximum(new_lo, tl.max(tl.where(reached, taus, float("-inf")), axis=0))
-            new_hi = tl.minimum(
-                new_hi, tl.min(tl.where(active & (kept < target), taus, float("inf")), axis=0)
-            )
+            # Everything of the pass stays in the layout of the [pages, lanes]
+            # tile (2D, keep_dims): the only exchange between warps is the
+            # reduction over the pages. The kept share falls as tau rises, so
+            # the thresholds that reach the target are k = 1 .. r and the new
+            # bounds are thresholds r and r + 1 (hi if r + 1 = K_B): one
+            # in-warp count instead of a max and a min over the lanes.
+            lanes = tl.arange(0, LANES)[None, :]
+            tile = tl.arange(0, TILE_PAGES)[:, None]
+            tile_middle = (tile > 0) & (tile < num_pages - 1)
+            weight = tl.where(by_count, 1.0, tile_pibar[:, None])
+            above = tile_middle & (tile_pibar[:, None] >= lo + width * lanes / kb)
+            kept = tl.sum(tl.where(above, weight, 0.0), axis=0, keep_dims=True)
+            reached = (lanes >= 1) & (lanes < kb) & (kept >= target)
+            r = tl.sum(reached.to(tl.int32))
+            new_lo = tl.where(r > 0, lo + width * r / kb, lo)
+            new_hi = tl.where(r + 1 < kb, lo + width * (r + 1) / kb, hi)
         else:
             # One reduction over the row per threshold: that is why long rows
             # use fewer thresholds (K_B) and more passes.
