@@ -115,3 +115,26 @@ def test_small_batch_graph_replay_equals_eager_bitwise(small_case):
 
     for name, result in mc.check_graph_replay(small_case, config=_backend_config()).items():
         assert result["bitwise_equal"] and result["lists_equal"], name
+
+
+def test_int8_to_fp16_by_byte_permutes_is_exact():
+    # Estimate's int8 -> fp16 conversion by byte permutes (inline PTX, which
+    # the CPU interpreter cannot run): every byte value, at every position of
+    # a [TILE_PAGES, D] tile as Estimate loads it.
+    import torch
+    import triton
+    import triton.language as tl
+    from vllm.v1.attention.backends import moira
+
+    @triton.jit
+    def kernel_convert(src_ptr, dst_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+        offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        tl.store(dst_ptr + offs, moira._int8_to_fp16(tl.load(src_ptr + offs), True))
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    src = values[torch.randperm(256, generator=gen).repeat(16)].view(32, 128).cuda()
+    for warps in (1, 2, 4):
+        dst = torch.full((32, 128), 99.0, dtype=torch.float16, device="cuda")
+        kernel_convert[(1,)](src, dst, ROWS=32, COLS=128, num_warps=warps)
+        assert torch.equal(dst, src.to(torch.float16)), warps

@@ -106,6 +106,8 @@ ESTIMATE_LAUNCH = {
     "key_stages": 3,
     "tiles_per_program": 1,
     "tile_stages": 1,
+    # int8 slots to fp16 by byte permutes (_int8_to_fp16); False: plain casts.
+    "int8_prmt": True,
 }
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
@@ -280,6 +282,11 @@ def _summary_layout(summaries: torch.Tensor) -> tuple[int, torch.Tensor]:
         )
     scales = summaries[:, :, num_slots, : 4 * num_slots].view(torch.float32)
     return num_slots, scales
+
+
+def _triton_interpreting() -> bool:
+    """TRITON_INTERPRET=1 (the CPU tests): no inline PTX there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _group_rows(group_size: int) -> int:
@@ -495,8 +502,43 @@ def _int8_to_bf16(x):
 
 
 @triton.jit
+def _int8_to_fp16(x, PRMT: tl.constexpr):
+    # Exact int8 -> fp16, four values per 32-bit register (PRMT, on the GPU):
+    # u = v + 128 is v with its sign bit flipped (one xor for four bytes);
+    # byte permutes put 0x64 above each u, i.e. the fp16 bits of 1024 + u
+    # (fp16 steps by 1 in [1024, 2048)); one packed subtraction of 1152 per
+    # two values gives v. About 1.5 instructions per four values against ~4
+    # per value for _int8_to_bf16 (bf16 has one mantissa bit too few for the
+    # trick): Nsight Compute found Estimate on int8 summaries bound by its
+    # instruction issue, most of it these conversions (docs/benchmarks.md).
+    # PRMT False (the interpreter, which has no inline PTX): the plain cast,
+    # the same values.
+    if PRMT:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, high, magic;
+            mov.b32 high, 0x64646464;
+            mov.b32 magic, 0x64806480;
+            xor.b32 u, $2, 0x80808080;
+            prmt.b32 $0, u, high, 0x5140;
+            prmt.b32 $1, u, high, 0x7362;
+            sub.rn.f16x2 $0, $0, magic;
+            sub.rn.f16x2 $1, $1, magic;
+            }""",
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=tl.float16,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
 def _summary_tile_logmass(
     q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
+    q_f16,  # [GROUP_ROWS, HEAD_SIZE] fp16: q, for the int8 slots (if INT8)
     q_sq_hi,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
     q_sq_lo,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
     scale,
@@ -518,14 +560,18 @@ def _summary_tile_logmass(
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KEY_STAGES: tl.constexpr,
+    PRMT: tl.constexpr,
 ):
     # The summary estimate of one tile of pages, all G query heads at once on
     # the tensor cores: [TILE_PAGES, GROUP_ROWS] fp32. Products of bf16 values
     # are exact in the fp32 accumulator, so the mean term is fp32-exact up to
     # summation order; (s q)^2 is split into two bf16 parts (hi + lo) so the
     # spread term keeps ~16 significant bits. INT8 summaries: the int8 values
-    # are exact in bf16, so each slot's product is taken as stored and scaled
-    # by the slot's fp32 scale afterwards (one multiply per page).
+    # are exact in fp16 and bf16, so each slot's product is taken as stored
+    # and scaled by the slot's fp32 scale afterwards (one multiply per page);
+    # the mean and the stored keys meet q in fp16 (exact for |q| in
+    # [2^-17, 65504], so the products are the bf16 ones), the variance meets
+    # the bf16 parts of (s q)^2.
     offs_d = tl.arange(0, HEAD_SIZE)
     blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
     summary = summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
@@ -535,13 +581,13 @@ def _summary_tile_logmass(
         page_scales = scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
         mean_scale = tl.load(page_scales, mask=mask_p, other=0.0)[:, None]
         var_scale = tl.load(page_scales + 1, mask=mask_p, other=0.0)[:, None]
-        mean = _int8_to_bf16(mean)
         var = _int8_to_bf16(var)
 
     # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
-    est = tl.dot(mean, tl.trans(q)) * scale
     if INT8:
-        est = est * mean_scale
+        est = tl.dot(_int8_to_fp16(mean, PRMT), tl.trans(q_f16)) * scale * mean_scale
+    else:
+        est = tl.dot(mean, tl.trans(q)) * scale
     v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
     if INT8:
         v = v * var_scale
@@ -573,9 +619,11 @@ def _summary_tile_logmass(
                 key = tl.load(
                     summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
                 )
-                logit = tl.dot(_int8_to_bf16(key) if INT8 else key, tl.trans(q)) * scale
                 if INT8:
+                    logit = tl.dot(_int8_to_fp16(key, PRMT), tl.trans(q_f16)) * scale
                     logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
+                else:
+                    logit = tl.dot(key, tl.trans(q)) * scale
                 new_peak = tl.maximum(peak, logit)
                 total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
                 peak = new_peak
@@ -586,9 +634,11 @@ def _summary_tile_logmass(
                 key = tl.load(
                     summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
                 )
-                logit = tl.dot(_int8_to_bf16(key) if INT8 else key, tl.trans(q)) * scale
                 if INT8:
+                    logit = tl.dot(_int8_to_fp16(key, PRMT), tl.trans(q_f16)) * scale
                     logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
+                else:
+                    logit = tl.dot(key, tl.trans(q)) * scale
                 new_peak = tl.maximum(peak, logit)
                 total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
                 peak = new_peak
@@ -632,6 +682,7 @@ def kernel_moira_estimate(
     KEY_STAGES: tl.constexpr = 1,
     TILES_PER_PROGRAM: tl.constexpr = 1,
     TILE_STAGES: tl.constexpr = 1,
+    PRMT: tl.constexpr = False,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -674,16 +725,19 @@ def kernel_moira_estimate(
         q_sq = q_scaled * q_scaled
         q_sq_hi = q_sq.to(tl.bfloat16)
         q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
+        # fp16 has the range for any real query; the clamp only keeps an
+        # absurd one finite.
+        q_f16 = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         bt_row = block_table_ptr + row * stride_bt_row
         if TILES_PER_PROGRAM == 1:
             pages = first_page + tl.arange(0, TILE_PAGES)
             # Page 0 and the current page belong to the exact programs.
             mask_p = (pages > 0) & (pages < last)
             est = _summary_tile_logmass(
-                q, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages, mask_p,
-                head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
-                GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
-                KEY_STAGES,
+                q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages,
+                mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
+                stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
+                NUM_TOP, INT8, KEY_STAGES, PRMT,
             )  # fmt: skip
             tl.store(
                 lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
@@ -696,10 +750,10 @@ def kernel_moira_estimate(
                 pages = first_page + t * TILE_PAGES + tl.arange(0, TILE_PAGES)
                 mask_p = (pages > 0) & (pages < last)
                 est = _summary_tile_logmass(
-                    q, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages,
-                    mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
+                    q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row,
+                    pages, mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
                     stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
-                    NUM_TOP, INT8, 0,
+                    NUM_TOP, INT8, 0, PRMT,
                 )  # fmt: skip
                 tl.store(
                     lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
@@ -790,6 +844,7 @@ def estimate_page_logmass(
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
         TILES_PER_PROGRAM=tiles_per_program,
         TILE_STAGES=ESTIMATE_LAUNCH["tile_stages"],
+        PRMT=ESTIMATE_LAUNCH["int8_prmt"] and not _triton_interpreting(),
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
