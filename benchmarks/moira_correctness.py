@@ -411,15 +411,19 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
 # Estimate launch candidates: key pipeline depths at the default tile, other
 # tiles at the default depth, several tiles per program in the software-
 # pipelined tile loop (tiles x pages, warps, tile stages), and the int8 slots
-# by plain casts instead of byte permutes.
+# in bf16 by integer arithmetic instead of fp16 by byte permutes.
 ESTIMATE_SWEEP = [
     *({"key_stages": s, "tiles_per_program": 1} for s in (1, 2, 3, 4)),
     *({"tile_pages": t, "num_warps": w, "tiles_per_program": 1}
       for t, w in ((16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
     *({"tile_pages": t, "num_warps": w, "tiles_per_program": n, "tile_stages": st}
       for t, w, n, st in ((32, 2, 2, 2), (32, 2, 4, 3), (64, 4, 4, 2))),
-    {"int8_prmt": False},
+    {"int8_convert": "bf16"},
 ]  # fmt: skip
+
+
+# Select launch candidates: (thresholds per bisection pass, warps).
+SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
 
 
 def sweep_estimate_launch(case, estimate, ws):
@@ -478,21 +482,20 @@ def sweep_select_launch(ws, select, batch):
     default_select = dict(moira.SELECT_LAUNCH)
     select()
     reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
-    for lanes in (1, 2, 4, 8, 16):
-        for warps in (4, 8, 16):
-            moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
-            ws.page_count[:batch].fill_(-1)
-            select()
-            counts = ws.page_count[:batch]
-            same = bool(torch.equal(counts, reference_lists[1]))
-            if same:
-                width = int(counts.max())
-                same = bool(torch.equal(ws.page_list[:batch, :, :width],
-                                        reference_lists[0][:, :, :width]))  # fmt: skip
-            us = graph_time_us(select)
-            rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
-                         "same_lists": same})  # fmt: skip
-            print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
+    for lanes, warps in SELECT_SWEEP:
+        moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
+        ws.page_count[:batch].fill_(-1)
+        select()
+        counts = ws.page_count[:batch]
+        same = bool(torch.equal(counts, reference_lists[1]))
+        if same:
+            width = int(counts.max())
+            same = bool(torch.equal(ws.page_list[:batch, :, :width],
+                                    reference_lists[0][:, :, :width]))  # fmt: skip
+        us = graph_time_us(select)
+        rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
+                     "same_lists": same})  # fmt: skip
+        print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
     moira.SELECT_LAUNCH.clear()
     moira.SELECT_LAUNCH.update(default_select)
     return rows
@@ -589,6 +592,11 @@ def main():
     parser.add_argument("--sweep-estimate-select", action="store_true",
                         help="time Estimate (also per --estimators entry) and Select launch "
                         "configs (log-masses and lists checked)")  # fmt: skip
+    parser.add_argument("--estimate-sweep", default=None,
+                        help="JSON list of ESTIMATE_LAUNCH changes for --sweep-estimate-select "
+                        "(default: ESTIMATE_SWEEP)")  # fmt: skip
+    parser.add_argument("--no-select-sweep", action="store_true",
+                        help="with --sweep-estimate-select: Estimate candidates only")
     parser.add_argument(
         "--estimators",
         default="",
@@ -598,6 +606,10 @@ def main():
     parser.add_argument("--only-estimators", action="store_true",
                         help="with --estimators: skip the other checks and timings")  # fmt: skip
     args = parser.parse_args()
+    if args.estimate_sweep is not None:
+        ESTIMATE_SWEEP[:] = json.loads(args.estimate_sweep)
+    if args.no_select_sweep:
+        SELECT_SWEEP.clear()
     estimators = [e for e in args.estimators.split(",") if e]
     for name in estimators:
         estimator, summary_dtype = split_summary_dtype(name)

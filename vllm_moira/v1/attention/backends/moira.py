@@ -106,8 +106,10 @@ ESTIMATE_LAUNCH = {
     "key_stages": 3,
     "tiles_per_program": 1,
     "tile_stages": 1,
-    # int8 slots to fp16 by byte permutes (_int8_to_fp16); False: plain casts.
-    "int8_prmt": True,
+    # How int8 slots meet q: "prmt", in fp16 converted by byte permutes
+    # (_int8_to_fp16; plain casts under the interpreter), or "bf16", in bf16
+    # converted by integer arithmetic (_int8_to_bf16, the earlier path).
+    "int8_convert": "prmt",
 }
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
@@ -287,6 +289,15 @@ def _summary_layout(summaries: torch.Tensor) -> tuple[int, torch.Tensor]:
 def _triton_interpreting() -> bool:
     """TRITON_INTERPRET=1 (the CPU tests): no inline PTX there."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _int8_convert_mode(name: str) -> int:
+    """ESTIMATE_LAUNCH["int8_convert"] -> kernel_moira_estimate's INT8_CONVERT."""
+    if name == "bf16":
+        return 0
+    if name == "prmt":
+        return 1 if _triton_interpreting() else 2
+    raise ValueError(f"ESTIMATE_LAUNCH['int8_convert'] must be 'prmt' or 'bf16', got {name!r}")
 
 
 def _group_rows(group_size: int) -> int:
@@ -536,9 +547,20 @@ def _int8_to_fp16(x, PRMT: tl.constexpr):
 
 
 @triton.jit
+def _int8_slot_dot(slot, q, q_f16, INT8_CONVERT: tl.constexpr):
+    # [TILE_PAGES, HEAD_SIZE] int8 slot values times q^T on the tensor cores:
+    # [TILE_PAGES, GROUP_ROWS] fp32, before the slot's scale. INT8_CONVERT:
+    # 0 = bf16 (_int8_to_bf16), 1 = fp16 by casts, 2 = fp16 by byte permutes.
+    if INT8_CONVERT == 0:
+        return tl.dot(_int8_to_bf16(slot), tl.trans(q))
+    else:
+        return tl.dot(_int8_to_fp16(slot, INT8_CONVERT == 2), tl.trans(q_f16))
+
+
+@triton.jit
 def _summary_tile_logmass(
     q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
-    q_f16,  # [GROUP_ROWS, HEAD_SIZE] fp16: q, for the int8 slots (if INT8)
+    q_f16,  # [GROUP_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT > 0)
     q_sq_hi,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
     q_sq_lo,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
     scale,
@@ -560,7 +582,7 @@ def _summary_tile_logmass(
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KEY_STAGES: tl.constexpr,
-    PRMT: tl.constexpr,
+    INT8_CONVERT: tl.constexpr,
 ):
     # The summary estimate of one tile of pages, all G query heads at once on
     # the tensor cores: [TILE_PAGES, GROUP_ROWS] fp32. Products of bf16 values
@@ -569,9 +591,9 @@ def _summary_tile_logmass(
     # spread term keeps ~16 significant bits. INT8 summaries: the int8 values
     # are exact in fp16 and bf16, so each slot's product is taken as stored
     # and scaled by the slot's fp32 scale afterwards (one multiply per page);
-    # the mean and the stored keys meet q in fp16 (exact for |q| in
-    # [2^-17, 65504], so the products are the bf16 ones), the variance meets
-    # the bf16 parts of (s q)^2.
+    # the mean and the stored keys meet q in fp16 (INT8_CONVERT > 0; exact for
+    # |q| in [2^-17, 65504], so the products are the bf16 ones) or bf16, the
+    # variance meets the bf16 parts of (s q)^2.
     offs_d = tl.arange(0, HEAD_SIZE)
     blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
     summary = summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
@@ -585,7 +607,7 @@ def _summary_tile_logmass(
 
     # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
     if INT8:
-        est = tl.dot(_int8_to_fp16(mean, PRMT), tl.trans(q_f16)) * scale * mean_scale
+        est = _int8_slot_dot(mean, q, q_f16, INT8_CONVERT) * scale * mean_scale
     else:
         est = tl.dot(mean, tl.trans(q)) * scale
     v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
@@ -620,7 +642,7 @@ def _summary_tile_logmass(
                     summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
                 )
                 if INT8:
-                    logit = tl.dot(_int8_to_fp16(key, PRMT), tl.trans(q_f16)) * scale
+                    logit = _int8_slot_dot(key, q, q_f16, INT8_CONVERT) * scale
                     logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
                 else:
                     logit = tl.dot(key, tl.trans(q)) * scale
@@ -635,7 +657,7 @@ def _summary_tile_logmass(
                     summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
                 )
                 if INT8:
-                    logit = tl.dot(_int8_to_fp16(key, PRMT), tl.trans(q_f16)) * scale
+                    logit = _int8_slot_dot(key, q, q_f16, INT8_CONVERT) * scale
                     logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
                 else:
                     logit = tl.dot(key, tl.trans(q)) * scale
@@ -682,7 +704,7 @@ def kernel_moira_estimate(
     KEY_STAGES: tl.constexpr = 1,
     TILES_PER_PROGRAM: tl.constexpr = 1,
     TILE_STAGES: tl.constexpr = 1,
-    PRMT: tl.constexpr = False,
+    INT8_CONVERT: tl.constexpr = 0,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -737,7 +759,7 @@ def kernel_moira_estimate(
                 q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages,
                 mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
                 stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
-                NUM_TOP, INT8, KEY_STAGES, PRMT,
+                NUM_TOP, INT8, KEY_STAGES, INT8_CONVERT,
             )  # fmt: skip
             tl.store(
                 lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
@@ -753,7 +775,7 @@ def kernel_moira_estimate(
                     q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row,
                     pages, mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
                     stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
-                    NUM_TOP, INT8, 0, PRMT,
+                    NUM_TOP, INT8, 0, INT8_CONVERT,
                 )  # fmt: skip
                 tl.store(
                     lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
@@ -844,7 +866,7 @@ def estimate_page_logmass(
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
         TILES_PER_PROGRAM=tiles_per_program,
         TILE_STAGES=ESTIMATE_LAUNCH["tile_stages"],
-        PRMT=ESTIMATE_LAUNCH["int8_prmt"] and not _triton_interpreting(),
+        INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
         num_warps=ESTIMATE_LAUNCH["num_warps"],
     )
 
