@@ -335,7 +335,10 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
             batch, case["max_pages"], ws.read_stats)
     )  # fmt: skip
     if sweep_launch:
-        estimate = lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)  # noqa: E731
+
+        def estimate():
+            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)
+
         row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
         estimate()
         row["select_sweep"] = sweep_select_launch(
@@ -595,8 +598,11 @@ def main():
     parser.add_argument("--estimate-sweep", default=None,
                         help="JSON list of ESTIMATE_LAUNCH changes for --sweep-estimate-select "
                         "(default: ESTIMATE_SWEEP)")  # fmt: skip
-    parser.add_argument("--no-select-sweep", action="store_true",
-                        help="with --sweep-estimate-select: Estimate candidates only")
+    parser.add_argument(
+        "--no-select-sweep",
+        action="store_true",
+        help="with --sweep-estimate-select: Estimate candidates only",
+    )
     parser.add_argument(
         "--estimators",
         default="",

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.moira_correctness import (  # noqa: E402
+from benchmarks.moira_correctness import (
     SCALE,
     build_case,
     estimator_case,
@@ -43,14 +43,22 @@ def main() -> None:
         case_e = estimator_case(case, name)
         estimator, summary_dtype = split_summary_dtype(name)
         ws = workspace(case_e, moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype))
-        inputs = (case_e["query"], case_e["kv"], case_e["summaries"], case_e["table"], case_e["seq"])
+        inputs = (
+            case_e["query"],
+            case_e["kv"],
+            case_e["summaries"],
+            case_e["table"],
+            case_e["seq"],
+        )
 
         def estimate(inputs=inputs, ws=ws, estimator=estimator):
             moira.estimate_page_logmass(*inputs, ws.logmass, SCALE, estimator)
 
         def select(ws=ws):
-            moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
-                               ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
+            moira.select_pages(
+                ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+                ws.selector_params, batch, case["max_pages"], ws.read_stats,
+            )  # fmt: skip
 
         for _ in range(3):  # compile and warm up outside the profiled range
             estimate()

@@ -94,13 +94,15 @@ MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
 #: estimator: docs/estimator.md, "The default".
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 
-# Estimate's launch configuration: pages per summary program (the paper's
-# App. A uses 64), warps, and the software-pipeline depth of the stored-key
-# loop. benchmarks/moira_correctness.py --sweep-estimate-select measures
-# alternatives; 32 pages on 2 warps with 3 stages was the fastest or within 3%
-# of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and 32x8192
-# (docs/benchmarks.md, "Estimate's stored-key loop").
-ESTIMATE_LAUNCH = {
+# Estimate's launch configuration: pages per summary tile (the paper's App. A
+# uses 64), warps, the software-pipeline depth of the stored-key loop, and tiles
+# per program (> 1: a loop pipelined tile_stages deep). benchmarks/
+# moira_correctness.py --sweep-estimate-select measures alternatives; 32 pages
+# on 2 warps with 3 stages and one tile per program was the fastest or within
+# 3% of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and
+# 32x8192 (docs/benchmarks.md, "Estimate's stored-key loop" and "Where
+# Estimate and Select stall").
+ESTIMATE_LAUNCH: dict[str, Any] = {
     "tile_pages": 32,
     "num_warps": 2,
     "key_stages": 3,
@@ -596,11 +598,15 @@ def _summary_tile_logmass(
     # variance meets the bf16 parts of (s q)^2.
     offs_d = tl.arange(0, HEAD_SIZE)
     blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
-    summary = summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
+    summary = (
+        summaries_ptr + blocks.to(tl.int64)[:, None] * stride_sum_block + head * stride_sum_head
+    )
     mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
     var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
     if INT8:
-        page_scales = scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
+        page_scales = (
+            scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
+        )
         mean_scale = tl.load(page_scales, mask=mask_p, other=0.0)[:, None]
         var_scale = tl.load(page_scales + 1, mask=mask_p, other=0.0)[:, None]
         var = _int8_to_bf16(var)
