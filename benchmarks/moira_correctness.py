@@ -413,8 +413,9 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
 
 # Estimate launch candidates: key pipeline depths at the default tile, other
 # tiles at the default depth, several tiles per program in the software-
-# pipelined tile loop (tiles x pages, warps, tile stages), and the int8 slots
-# in bf16 by integer arithmetic instead of fp16 by byte permutes.
+# pipelined tile loop (tiles x pages, warps, tile stages), the int8 slots in
+# bf16 by integer arithmetic instead of fp16 by byte permutes, and register
+# caps (more resident programs, some spills).
 ESTIMATE_SWEEP = [
     *({"key_stages": s, "tiles_per_program": 1} for s in (1, 2, 3, 4)),
     *({"tile_pages": t, "num_warps": w, "tiles_per_program": 1}
@@ -422,6 +423,7 @@ ESTIMATE_SWEEP = [
     *({"tile_pages": t, "num_warps": w, "tiles_per_program": n, "tile_stages": st}
       for t, w, n, st in ((32, 2, 2, 2), (32, 2, 4, 3), (64, 4, 4, 2))),
     {"int8_convert": "bf16"},
+    *({"maxnreg": r} for r in (128, 112, 96)),
 ]  # fmt: skip
 
 

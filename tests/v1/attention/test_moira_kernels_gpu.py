@@ -4,13 +4,31 @@
 Run with ``MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention`` after
 ``build.sh``; the checks are the ones ``benchmarks/moira_correctness.py``
 records in ``benchmarks/results/correctness_h200.json``.
+``MOIRA_TEST_ESTIMATE_LAUNCH='{"maxnreg": 128}'`` runs them under a candidate
+Estimate launch (a JSON dict of ESTIMATE_LAUNCH changes) before it becomes the
+default.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _estimate_launch_candidate(monkeypatch):
+    changes = os.environ.get("MOIRA_TEST_ESTIMATE_LAUNCH")
+    if changes:
+        from vllm.v1.attention.backends import moira
+
+        for key, value in json.loads(changes).items():
+            assert key in moira.ESTIMATE_LAUNCH, key
+            monkeypatch.setitem(moira.ESTIMATE_LAUNCH, key, value)
+
 
 SHAPES = [(4, 131072), (32, 8192)]
 

@@ -112,6 +112,10 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # (_int8_to_fp16; plain casts under the interpreter), or "bf16", in bf16
     # converted by integer arithmetic (_int8_to_bf16, the earlier path).
     "int8_convert": "prmt",
+    # Register cap per thread for ptxas (None: its own choice). Estimate's
+    # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
+    # per SM at 142 registers), so a cap trades spills for resident programs.
+    "maxnreg": None,
 }
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
@@ -300,6 +304,13 @@ def _int8_convert_mode(name: str) -> int:
     if name == "prmt":
         return 1 if _triton_interpreting() else 2
     raise ValueError(f"ESTIMATE_LAUNCH['int8_convert'] must be 'prmt' or 'bf16', got {name!r}")
+
+
+def _register_cap(maxnreg: int | None) -> dict[str, int]:
+    """Launch option capping registers per thread (not under the interpreter)."""
+    if maxnreg is None or _triton_interpreting():
+        return {}
+    return {"maxnreg": int(maxnreg)}
 
 
 def _group_rows(group_size: int) -> int:
@@ -874,6 +885,7 @@ def estimate_page_logmass(
         TILE_STAGES=ESTIMATE_LAUNCH["tile_stages"],
         INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
         num_warps=ESTIMATE_LAUNCH["num_warps"],
+        **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
     )
 
 
