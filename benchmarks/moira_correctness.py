@@ -423,7 +423,7 @@ ESTIMATE_SWEEP = [
     *({"tile_pages": t, "num_warps": w, "tiles_per_program": n, "tile_stages": st}
       for t, w, n, st in ((32, 2, 2, 2), (32, 2, 4, 3), (64, 4, 4, 2))),
     {"int8_convert": "bf16"},
-    *({"maxnreg": r} for r in (128, 112, 96)),
+    *({"maxnreg": r} for r in (None, 112, 96)),
 ]  # fmt: skip
 
 

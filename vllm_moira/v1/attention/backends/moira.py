@@ -101,7 +101,7 @@ MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 # on 2 warps with 3 stages and one tile per program was the fastest or within
 # 3% of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and
 # 32x8192 (docs/benchmarks.md, "Estimate's stored-key loop" and "Where
-# Estimate and Select stall").
+# Estimate and Select stall"), then the register cap below took 12% off.
 ESTIMATE_LAUNCH: dict[str, Any] = {
     "tile_pages": 32,
     "num_warps": 2,
@@ -114,8 +114,11 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     "int8_convert": "prmt",
     # Register cap per thread for ptxas (None: its own choice). Estimate's
     # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
-    # per SM at 142 registers), so a cap trades spills for resident programs.
-    "maxnreg": None,
+    # per SM at 142 registers); at 128, 8 fit (the offline sm_90 compile spills
+    # one value). Int8 mvar_top8 at 4x131072: 40.8 -> 35.9 us (112: 36.9, 96:
+    # 43.5; mvar, below the cap, unchanged): docs/benchmarks.md, "Where
+    # Estimate and Select stall".
+    "maxnreg": 128,
 }
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
