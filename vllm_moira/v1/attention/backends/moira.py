@@ -574,6 +574,34 @@ def _int8_slot_dot(slot, q, q_f16, INT8_CONVERT: tl.constexpr):
 
 
 @triton.jit
+def _add_stored_key(
+    peak,  # [TILE_PAGES, GROUP_ROWS] fp32 running max of the page's log-terms
+    total,  # [TILE_PAGES, GROUP_ROWS] fp32 running sum of exp(term - peak)
+    summary,  # [TILE_PAGES, 1] pointers to the pages' summaries
+    page_scales,  # [TILE_PAGES] pointers to the pages' slot scales (if INT8)
+    j,  # stored key index (slot 2 + j)
+    q,
+    q_f16,
+    scale,
+    mask_p,
+    HEAD_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
+    INT8_CONVERT: tl.constexpr,
+):
+    # One stored key's exact logits, folded into the online logaddexp.
+    offs_d = tl.arange(0, HEAD_SIZE)
+    key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    if INT8:
+        logit = _int8_slot_dot(key, q, q_f16, INT8_CONVERT) * scale
+        logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
+    else:
+        logit = tl.dot(key, tl.trans(q)) * scale
+    new_peak = tl.maximum(peak, logit)
+    total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
+    return new_peak, total
+
+
+@triton.jit
 def _summary_tile_logmass(
     q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
     q_f16,  # [GROUP_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT > 0)
@@ -617,6 +645,7 @@ def _summary_tile_logmass(
     )
     mean = tl.load(summary + offs_d[None, :], mask=mask_p[:, None], other=0.0)
     var = tl.load(summary + HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    page_scales = scales_ptr  # unread unless INT8
     if INT8:
         page_scales = (
             scales_ptr + blocks.to(tl.int64) * stride_scale_block + head * stride_scale_head
@@ -658,32 +687,18 @@ def _summary_tile_logmass(
             # 34 to 32 us; int8 mvar_top4 lost (27 -> 31 us):
             # docs/benchmarks.md, "Estimate's stored-key loop".
             for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
-                key = tl.load(
-                    summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
-                )
-                if INT8:
-                    logit = _int8_slot_dot(key, q, q_f16, INT8_CONVERT) * scale
-                    logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
-                else:
-                    logit = tl.dot(key, tl.trans(q)) * scale
-                new_peak = tl.maximum(peak, logit)
-                total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
-                peak = new_peak
+                peak, total = _add_stored_key(
+                    peak, total, summary, page_scales, j, q, q_f16, scale, mask_p,
+                    HEAD_SIZE, INT8, INT8_CONVERT,
+                )  # fmt: skip
         else:
             # Unrolled (KEY_STAGES = 0): inside the multi-tile loop, whose
             # software pipeline then prefetches the next tiles' keys too.
             for j in tl.static_range(NUM_TOP):
-                key = tl.load(
-                    summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0
-                )
-                if INT8:
-                    logit = _int8_slot_dot(key, q, q_f16, INT8_CONVERT) * scale
-                    logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
-                else:
-                    logit = tl.dot(key, tl.trans(q)) * scale
-                new_peak = tl.maximum(peak, logit)
-                total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
-                peak = new_peak
+                peak, total = _add_stored_key(
+                    peak, total, summary, page_scales, j, q, q_f16, scale, mask_p,
+                    HEAD_SIZE, INT8, INT8_CONVERT,
+                )  # fmt: skip
         est = peak + tl.log(total)
     return est
 
