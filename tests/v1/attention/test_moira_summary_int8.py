@@ -245,3 +245,16 @@ def test_summary_storage_table_and_benchmark_names():
     assert ref.parse_stored_estimator("int8:mvar_top8") == ("mvar_top8", "int8")
     assert ref.parse_stored_estimator("bf16:mvar") == ("mvar", "bfloat16")
     assert ref.parse_stored_estimator("mvar_top4") == ("mvar_top4", None)
+
+
+def test_estimate_rejects_an_unknown_int8_conversion(monkeypatch):
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", "fp8")
+    kv, summaries, table, seq, query = make_decode_batch(
+        [300], 2, 4, 64, "token_major", "mvar_top8", "random", summary_dtype="int8"
+    )
+    ws = moira.MoiraWorkspace(1, 8, 2, 64, table.shape[1],
+                              moira.MoiraConfig(estimator="mvar_top8", summary_dtype="int8"),
+                              "cpu")  # fmt: skip
+    with pytest.raises(ValueError, match=r"int8_convert.*'prmt' or 'bf16'.*'fp8'"):
+        moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
+                                    "mvar_top8")  # fmt: skip
