@@ -534,7 +534,7 @@ def _int8_to_fp16(x, PRMT: tl.constexpr):
     # u = v + 128 is v with its sign bit flipped (one xor for four bytes);
     # byte permutes put 0x64 above each u, i.e. the fp16 bits of 1024 + u
     # (fp16 steps by 1 in [1024, 2048)); one packed subtraction of 1152 per
-    # two values gives v. About 1.5 instructions per four values against ~4
+    # two values gives v. Five instructions per four values against ~4
     # per value for _int8_to_bf16 (bf16 has one mantissa bit too few for the
     # trick): Nsight Compute found Estimate on int8 summaries bound by its
     # instruction issue, most of it these conversions (docs/benchmarks.md).
