@@ -412,16 +412,12 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
 
 
 # Estimate launch candidates: key pipeline depths at the default tile, other
-# tiles at the default depth, several tiles per program in the software-
-# pipelined tile loop (tiles x pages, warps, tile stages), the int8 slots in
-# bf16 by integer arithmetic instead of fp16 by byte permutes, and register
-# caps (more resident programs, some spills).
+# tiles at the default depth, the int8 slots in bf16 by integer arithmetic
+# instead of fp16 by byte permutes, and other register caps.
 ESTIMATE_SWEEP = [
-    *({"key_stages": s, "tiles_per_program": 1} for s in (1, 2, 3, 4)),
-    *({"tile_pages": t, "num_warps": w, "tiles_per_program": 1}
+    *({"key_stages": s} for s in (1, 2, 3, 4)),
+    *({"tile_pages": t, "num_warps": w}
       for t, w in ((16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
-    *({"tile_pages": t, "num_warps": w, "tiles_per_program": n, "tile_stages": st}
-      for t, w, n, st in ((32, 2, 2, 2), (32, 2, 4, 3), (64, 4, 4, 2))),
     {"int8_convert": "bf16"},
     *({"maxnreg": r} for r in (None, 112, 96)),
 ]  # fmt: skip

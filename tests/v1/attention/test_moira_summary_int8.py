@@ -118,18 +118,12 @@ def test_write_int8_summaries_of_an_all_zero_page():
         ("mvar_top8", "token_major", 3, 64, "outlier"),
     ],
 )
-# One tile per program, and three 16-page tiles per program in the software-
-# pipelined tile loop (a program's last tiles past the row's end).
 # The int8 slots in fp16 (the default; by casts here, by byte permutes on the
 # GPU) and in bf16 by integer arithmetic (ESTIMATE_LAUNCH["int8_convert"]).
-@pytest.mark.parametrize(("tiles_per_program", "int8_convert"),
-                         [(1, "prmt"), (3, "prmt"), (1, "bf16")])  # fmt: skip
+@pytest.mark.parametrize("int8_convert", ["prmt", "bf16"])
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
-                                         tiles_per_program, int8_convert,
-                                         monkeypatch):  # fmt: skip
+                                         int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tiles_per_program", tiles_per_program)
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_stages", 2)
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
     seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
     kv, summaries, table, seq, query = make_decode_batch(

@@ -94,20 +94,18 @@ MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
 #: estimator: docs/estimator.md, "The default".
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 
-# Estimate's launch configuration: pages per summary tile (the paper's App. A
-# uses 64), warps, the software-pipeline depth of the stored-key loop, and tiles
-# per program (> 1: a loop pipelined tile_stages deep). benchmarks/
-# moira_correctness.py --sweep-estimate-select measures alternatives; 32 pages
-# on 2 warps with 3 stages and one tile per program was the fastest or within
-# 3% of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and
-# 32x8192 (docs/benchmarks.md, "Estimate's stored-key loop" and "Where
-# Estimate and Select stall"), then the register cap below took 12% off.
+# Estimate's launch configuration: pages per summary program (the paper's
+# App. A uses 64), warps, and the software-pipeline depth of the stored-key
+# loop. benchmarks/moira_correctness.py --sweep-estimate-select measures
+# alternatives; 32 pages on 2 warps with 3 stages was the fastest or within 3%
+# of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and 32x8192
+# (docs/benchmarks.md, "Estimate's stored-key loop" and "Where Estimate and
+# Select stall"; several tiles per program in one pipelined loop was slower
+# and was removed), then the register cap below took 12% off.
 ESTIMATE_LAUNCH: dict[str, Any] = {
     "tile_pages": 32,
     "num_warps": 2,
     "key_stages": 3,
-    "tiles_per_program": 1,
-    "tile_stages": 1,
     # How int8 slots meet q: "prmt", in fp16 converted by byte permutes
     # (_int8_to_fp16; plain casts under the interpreter), or "bf16", in bf16
     # converted by integer arithmetic (_int8_to_bf16, the earlier path).
@@ -678,27 +676,18 @@ def _summary_tile_logmass(
         # running max and sum of exp relative to it).
         peak = est
         total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
-        if KEY_STAGES > 0:
-            # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
-            # keys' tiles are copied asynchronously into shared memory while
-            # this key's product runs). Unrolled, each key was loaded one
-            # product ahead at most; the loop took int8 mvar_top8 from 50 to
-            # 45 us at 4x131072 (42 us on 32-page tiles), bf16 mvar_top4 from
-            # 34 to 32 us; int8 mvar_top4 lost (27 -> 31 us):
-            # docs/benchmarks.md, "Estimate's stored-key loop".
-            for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
-                peak, total = _add_stored_key(
-                    peak, total, summary, page_scales, j, q, q_f16, scale, mask_p,
-                    HEAD_SIZE, INT8, INT8_CONVERT,
-                )  # fmt: skip
-        else:
-            # Unrolled (KEY_STAGES = 0): inside the multi-tile loop, whose
-            # software pipeline then prefetches the next tiles' keys too.
-            for j in tl.static_range(NUM_TOP):
-                peak, total = _add_stored_key(
-                    peak, total, summary, page_scales, j, q, q_f16, scale, mask_p,
-                    HEAD_SIZE, INT8, INT8_CONVERT,
-                )  # fmt: skip
+        # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
+        # keys' tiles are copied asynchronously into shared memory while this
+        # key's product runs). Unrolled, each key was loaded one product ahead
+        # at most; the loop took int8 mvar_top8 from 50 to 45 us at 4x131072
+        # (42 us on 32-page tiles), bf16 mvar_top4 from 34 to 32 us; int8
+        # mvar_top4 lost (27 -> 31 us): docs/benchmarks.md, "Estimate's
+        # stored-key loop".
+        for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
+            peak, total = _add_stored_key(
+                peak, total, summary, page_scales, j, q, q_f16, scale, mask_p,
+                HEAD_SIZE, INT8, INT8_CONVERT,
+            )  # fmt: skip
         est = peak + tl.log(total)
     return est
 
@@ -737,8 +726,6 @@ def kernel_moira_estimate(
     SKIP_DENSE_ROWS: tl.constexpr = False,
     INT8: tl.constexpr = False,
     KEY_STAGES: tl.constexpr = 1,
-    TILES_PER_PROGRAM: tl.constexpr = 1,
-    TILE_STAGES: tl.constexpr = 1,
     INT8_CONVERT: tl.constexpr = 0,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
@@ -746,19 +733,17 @@ def kernel_moira_estimate(
     # exact pages (a 64-key read and a softmax) do not lengthen the critical
     # path of the summary tiles, and first in launch order (z varies slowest),
     # so that they do not run as a tail after the tiles. z >= 2: the summary
-    # estimate of TILES_PER_PROGRAM consecutive tiles of TILE_PAGES pages
-    # (> 1: one loop that Triton software-pipelines over TILE_STAGES tiles,
-    # the next tiles' summaries in flight during this tile's products).
+    # estimate of TILE_PAGES pages (_summary_tile_logmass).
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
-    first_page = (z - 2) * (TILES_PER_PROGRAM * TILE_PAGES)
+    tile = z - 2
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
-    idle = (num_pages == 0) | ((z >= 2) & (first_page >= num_pages))
+    idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
     idle = idle | ((z == 1) & (last == 0))
     if SKIP_DENSE_ROWS:
         # Rows that Select keeps whole (dense_batch_tokens) need no estimate.
@@ -785,38 +770,21 @@ def kernel_moira_estimate(
         # fp16 has the range for any real query; the clamp only keeps an
         # absurd one finite.
         q_f16 = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        bt_row = block_table_ptr + row * stride_bt_row
-        if TILES_PER_PROGRAM == 1:
-            pages = first_page + tl.arange(0, TILE_PAGES)
-            # Page 0 and the current page belong to the exact programs.
-            mask_p = (pages > 0) & (pages < last)
-            est = _summary_tile_logmass(
-                q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row, pages,
-                mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
-                stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
-                NUM_TOP, INT8, KEY_STAGES, INT8_CONVERT,
-            )  # fmt: skip
-            tl.store(
-                lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
-                est,
-                mask=mask_p[:, None] & mask_g[None, :],
-            )
-        else:
-            num_tiles = tl.minimum(TILES_PER_PROGRAM, tl.cdiv(num_pages - first_page, TILE_PAGES))
-            for t in tl.range(0, num_tiles, num_stages=TILE_STAGES):
-                pages = first_page + t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-                mask_p = (pages > 0) & (pages < last)
-                est = _summary_tile_logmass(
-                    q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr, bt_row,
-                    pages, mask_p, head, stride_sum_block, stride_sum_head, stride_scale_block,
-                    stride_scale_head, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD,
-                    NUM_TOP, INT8, 0, INT8_CONVERT,
-                )  # fmt: skip
-                tl.store(
-                    lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
-                    est,
-                    mask=mask_p[:, None] & mask_g[None, :],
-                )
+        pages = tile * TILE_PAGES + tl.arange(0, TILE_PAGES)
+        # Page 0 and the current page belong to the exact programs.
+        mask_p = (pages > 0) & (pages < last)
+        est = _summary_tile_logmass(
+            q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr,
+            block_table_ptr + row * stride_bt_row, pages, mask_p, head,
+            stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
+            GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
+            KEY_STAGES, INT8_CONVERT,
+        )  # fmt: skip
+        tl.store(
+            lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
+            est,
+            mask=mask_p[:, None] & mask_g[None, :],
+        )
     else:
         # The sink page (z = 0) or the current page (z = 1), from the keys.
         page = tl.where(z == 0, 0, last)
@@ -862,9 +830,8 @@ def estimate_page_logmass(
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
-    tiles_per_program = ESTIMATE_LAUNCH["tiles_per_program"]
     # The two exact-page programs (sink, current page), then the summary tiles.
-    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages * tiles_per_program))
+    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
         query,
         kv_cache,
@@ -899,8 +866,6 @@ def estimate_page_logmass(
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=summaries.dtype == torch.int8,
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
-        TILES_PER_PROGRAM=tiles_per_program,
-        TILE_STAGES=ESTIMATE_LAUNCH["tile_stages"],
         INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
