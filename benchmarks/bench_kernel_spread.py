@@ -335,7 +335,7 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
     moira_out = torch.empty_like(shape.query)
 
     def moira_arm():
-        ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, moira.MoiraConfig(),
+        ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, args.moira_config,
                                   "cuda")  # fmt: skip
         fn = lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq, page_list,
                                   page_count, moira_out, ws, scale)  # fmt: skip
@@ -438,6 +438,10 @@ def main() -> int:
         "--real-fractions", help="JSON list of kept fractions (or {'fractions': [...]})"
     )
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--attend-fill-blocks", type=int, default=None,
+                    help="Moira's N_F (MoiraConfig.attend_fill_blocks; default: the config's)")
+    ap.add_argument("--min-chunk-pages", type=int, default=None,
+                    help="Moira's C (MoiraConfig.min_chunk_pages; default: the config's)")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--iters", type=int, default=15, help="graph replays timed (median)")
     ap.add_argument("--seed", type=int, default=0)
@@ -458,6 +462,17 @@ def main() -> int:
     from benchmarks.moira_correctness import graph_time_us
 
     timer = lambda fn: graph_time_us(fn, reps=args.reps, iters=args.iters)
+    split_changes = {
+        k: v
+        for k, v in (("attend_fill_blocks", args.attend_fill_blocks),
+                     ("min_chunk_pages", args.min_chunk_pages))
+        if v is not None
+    }  # fmt: skip
+    from vllm.v1.attention.backends import moira
+
+    moira_config = moira.MoiraConfig(**split_changes)
+    moira_config.validate()
+    args.moira_config = moira_config
     cvs = [parse_cv(c) for c in args.cvs.split(",") if c.strip()]
     record: dict = {
         "command": "python " + " ".join(sys.argv),
@@ -465,6 +480,12 @@ def main() -> int:
         "torch": torch.__version__,
         "geometry": {"q_heads": HQ, "kv_heads": HKV, "head_size": D, "page": PAGE},
         "mean_fraction": args.mean_fraction,
+        "moira_split_constants": {
+            "min_chunk_pages": moira_config.min_chunk_pages,
+            "min_splits_per_row": moira_config.min_splits_per_row,
+            "min_splits_total": moira_config.min_splits_total,
+            "attend_fill_blocks": moira_config.attend_fill_blocks,
+        },
         "notes": [
             "FlashInfer is not installed on this host: no flashinfer rows.",
             "pad and pow2 run FA3 (flash_attn_varlen_func) on lists padded with real "

@@ -33,6 +33,7 @@ reference on a few rows and Select's lists against the reference lists, and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -425,6 +426,19 @@ ESTIMATE_SWEEP = [
 
 # Select launch candidates: (thresholds per bisection pass, warps).
 SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
+# Attend candidates: ATTEND_LAUNCH changes and MoiraConfig split constants
+# (min_chunk_pages C, attend_fill_blocks N_F, ...); {} = the default.
+ATTEND_SWEEP = [
+    {},
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"num_warps": 8},
+    {"maxnreg": 128},
+    *({"min_chunk_pages": c} for c in (8, 12, 16, 32)),
+    *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
+    {"min_chunk_pages": 12, "attend_fill_blocks": 792},
+    {"min_chunk_pages": 12, "maxnreg": 128},
+]
 
 
 def sweep_estimate_launch(case, estimate, ws):
@@ -547,17 +561,34 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["attend_merge_us"] = attend_us
     if sweep_attend:
         default = dict(moira.ATTEND_LAUNCH)
+        reference_out = out.clone()
         rows["attend_sweep"] = []
-        for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)):
-            moira.ATTEND_LAUNCH.update(num_warps=warps, num_stages=stages)
+        for changes in ATTEND_SWEEP:
+            # MoiraConfig fields (the split constants) go to a workspace of
+            # their own holding the same lists; the rest to ATTEND_LAUNCH.
+            config_changes = {k: v for k, v in changes.items() if k not in moira.ATTEND_LAUNCH}
+            moira.ATTEND_LAUNCH.update(
+                {k: v for k, v in changes.items() if k in moira.ATTEND_LAUNCH}
+            )
+            ws_c = ws_fixed
+            if config_changes:
+                ws_c = workspace(case, dataclasses.replace(fixed, **config_changes))
+                ws_c.page_list.copy_(ws_fixed.page_list)
+                ws_c.page_count.copy_(ws_fixed.page_count)
+            candidate = torch.full_like(out, float("nan"))
             us = graph_time_us(
-                lambda: moira.attend(
+                lambda ws_c=ws_c, candidate=candidate: moira.attend(
                     case["query"], case["kv"], case["table"], case["seq"],
-                    ws_fixed.page_list, ws_fixed.page_count, out, ws_fixed, SCALE)
+                    ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE)
             )  # fmt: skip
-            rows["attend_sweep"].append({"num_warps": warps, "num_stages": stages, "us": us})
-        moira.ATTEND_LAUNCH.clear()
-        moira.ATTEND_LAUNCH.update(default)
+            # Same pages, other summation order: within bf16 rounding of the
+            # default's output.
+            diff = (candidate.float() - reference_out.float()).abs().max().item()
+            entry = {**moira.ATTEND_LAUNCH, **config_changes}
+            rows["attend_sweep"].append({**entry, "us": us, "max_abs_diff_vs_default": diff})
+            print("attend", entry, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
+            moira.ATTEND_LAUNCH.clear()
+            moira.ATTEND_LAUNCH.update(default)
     if sweep_estimate_select:
         rows.update(sweep_estimate_and_select(case, ws))
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
@@ -589,7 +620,11 @@ def main():
     parser.add_argument("--json", help="correctness record")
     parser.add_argument("--timing-json", help="timing sanity record")
     parser.add_argument("--skip-timing", action="store_true")
-    parser.add_argument("--sweep-attend", action="store_true", help="time Attend launch configs")
+    parser.add_argument("--sweep-attend", action="store_true",
+                        help="time Attend launch configs (outputs checked against the default)")
+    parser.add_argument("--attend-sweep", default=None,
+                        help="JSON list of ATTEND_LAUNCH changes for --sweep-attend "
+                        "(default: ATTEND_SWEEP)")  # fmt: skip
     parser.add_argument("--sweep-estimate-select", action="store_true",
                         help="time Estimate (also per --estimators entry) and Select launch "
                         "configs (log-masses and lists checked)")  # fmt: skip
@@ -612,6 +647,8 @@ def main():
     args = parser.parse_args()
     if args.estimate_sweep is not None:
         ESTIMATE_SWEEP[:] = json.loads(args.estimate_sweep)
+    if args.attend_sweep is not None:
+        ATTEND_SWEEP[:] = json.loads(args.attend_sweep)
     if args.no_select_sweep:
         SELECT_SWEEP.clear()
     estimators = [e for e in args.estimators.split(",") if e]

@@ -2,7 +2,9 @@
 """Run Estimate and Select once each inside a CUDA profiler range, for Nsight
 Compute (hardware counters: where the kernels stall). Not a benchmark: the
 times come from moira_correctness.py; this only gives ncu one launch of each
-kernel per estimator, after a warm-up outside the range.
+kernel per estimator, after a warm-up outside the range. ``--attend F`` also
+runs Attend + Merge once on fixed-count lists of F of the pages (as
+moira_correctness.py times them).
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats --section LaunchStats \\
@@ -35,7 +37,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="4x131072", help="BATCHxCONTEXT")
     parser.add_argument("--estimators", default="int8:mvar_top8,int8:mvar")
+    parser.add_argument(
+        "--attend", type=float, default=0.0, metavar="F",
+        help="also profile Attend + Merge on fixed-count lists of this fraction of the pages",
+    )  # fmt: skip
     args = parser.parse_args()
+    if not 0.0 <= args.attend <= 1.0:
+        parser.error(f"--attend must be a fraction in [0, 1], got {args.attend}")
     batch, context = map(int, args.shape.split("x"))
     case = build_case(batch, context)
     runs = []
@@ -64,12 +72,33 @@ def main() -> None:
             estimate()
             select()
         runs.append((name, estimate, select))
+    attend = None
+    if args.attend > 0.0:
+        fixed = moira.MoiraConfig(
+            selector="fixed", fixed_pages=max(2, round(args.attend * case["max_pages"]))
+        )
+        ws_fixed = workspace(case, fixed)
+        inputs = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+        moira.estimate_and_select(*inputs, ws_fixed, SCALE)
+        out = torch.empty_like(case["query"])
+
+        def attend(ws=ws_fixed, out=out):
+            moira.attend(
+                case["query"], case["kv"], case["table"], case["seq"], ws.page_list,
+                ws.page_count, out, ws, SCALE,
+            )  # fmt: skip
+
+        for _ in range(3):
+            attend()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for name, estimate, select in runs:
         print("profiling", name, flush=True)
         estimate()
         select()
+    if attend is not None:
+        print("profiling attend", args.attend, flush=True)
+        attend()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 

@@ -6,7 +6,7 @@ Run with ``MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention`` after
 records in ``benchmarks/results/correctness_h200.json``.
 ``MOIRA_TEST_ESTIMATE_LAUNCH='{"maxnreg": 128}'`` runs them under a candidate
 Estimate launch (a JSON dict of ESTIMATE_LAUNCH changes) before it becomes the
-default.
+default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for ATTEND_LAUNCH.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def _estimate_launch_candidate(monkeypatch):
-    changes = os.environ.get("MOIRA_TEST_ESTIMATE_LAUNCH")
-    if changes:
-        from vllm.v1.attention.backends import moira
+def _launch_candidates(monkeypatch):
+    from vllm.v1.attention.backends import moira
 
-        for key, value in json.loads(changes).items():
-            assert key in moira.ESTIMATE_LAUNCH, key
-            monkeypatch.setitem(moira.ESTIMATE_LAUNCH, key, value)
+    for variable, launch in (
+        ("MOIRA_TEST_ESTIMATE_LAUNCH", moira.ESTIMATE_LAUNCH),
+        ("MOIRA_TEST_ATTEND_LAUNCH", moira.ATTEND_LAUNCH),
+    ):
+        for key, value in json.loads(os.environ.get(variable) or "{}").items():
+            assert key in launch, (variable, key)
+            monkeypatch.setitem(launch, key, value)
 
 
 SHAPES = [(4, 131072), (32, 8192)]

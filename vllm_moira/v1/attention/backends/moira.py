@@ -127,15 +127,24 @@ _SELECT_SHORT_TILE_PAGES = 256
 # bisection pass in one 2D reduction (24 / log2 K_B passes: every K_B ends on
 # the same 2^-24 grid of the search interval, so the threshold is the same);
 # lanes = 1 is Alg. 1's one reduction per threshold (K_B = 4 / 2).
-# benchmarks/moira_correctness.py --sweep-estimate-select measures these.
-SELECT_LAUNCH = {"long_lanes": 4, "long_num_warps": 8}
+# benchmarks/moira_correctness.py --sweep-estimate-select measures these: with
+# the pass's invariant masks hoisted, 8 lanes on 16 warps took 11.4-11.6 us
+# at 4x131072 against 12.7-12.9 for the earlier 4 on 8 (three sweeps of one
+# session; docs/benchmarks.md, "Select's bisection pass").
+SELECT_LAUNCH = {"long_lanes": 8, "long_num_warps": 16}
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
 _MIN_DOT_ROWS = 16
 # Attend's launch configuration (paper App. A: 4 warps, 3 pipeline stages);
 # benchmarks/moira_correctness.py --sweep-attend measures alternatives.
-ATTEND_LAUNCH = {"num_warps": 4, "num_stages": 3}
+# maxnreg: register cap per thread (None: ptxas's choice). Nsight Compute
+# found Attend at 3 blocks per SM, limited by its registers (148) and shared
+# memory alike; a cap of 128 (4 blocks) measured 12% faster at 32x8192 and 18%
+# slower at 4x131072 (docs/benchmarks.md, "Attend's launch and split
+# constants"), so ptxas keeps its choice. Two pages per loop step (twice the
+# bytes in flight per block) was no faster and is not in the tree.
+ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
 
 
 @dataclass(frozen=True)
@@ -986,6 +995,14 @@ def _select_row(
     else:
         kb = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 4, 2))
         passes = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 12, 24))
+    if LANES > 1:
+        # Loop-invariant parts of the pass, once: pages that are not middle
+        # pages get pibar -1, below every threshold (tau >= 0), so a pass tests
+        # one compare per (page, threshold) instead of a compare and a mask
+        # (the offline sm_90 compile: 226 -> 132 instructions per pass at K_B = 4).
+        tile = tl.arange(0, TILE_PAGES)
+        middle_pibar = tl.where((tile > 0) & (tile < last), tile_pibar, -1.0)[:, None]
+        weight = tl.where(by_count, 1.0, tile_pibar)[:, None]
     lo = 0.0
     for _ in range(passes):
         # Thresholds k = 1 .. K_B - 1 (k = 0 is lo itself, which holds).
@@ -1000,10 +1017,7 @@ def _select_row(
             # bounds are thresholds r and r + 1 (hi if r + 1 = K_B): one
             # in-warp count instead of a max and a min over the lanes.
             lanes = tl.arange(0, LANES)[None, :]
-            tile = tl.arange(0, TILE_PAGES)[:, None]
-            tile_middle = (tile > 0) & (tile < num_pages - 1)
-            weight = tl.where(by_count, 1.0, tile_pibar[:, None])
-            above = tile_middle & (tile_pibar[:, None] >= lo + width * lanes / kb)
+            above = middle_pibar >= lo + width * lanes / kb
             kept = tl.sum(tl.where(above, weight, 0.0), axis=0, keep_dims=True)
             reached = (lanes >= 1) & (lanes < kb) & (kept >= target)
             r = tl.sum(reached.to(tl.int32))
@@ -1051,7 +1065,7 @@ def _select_row(
     # Pass 4: compaction into the row's list, in page order.
     tl.store(out, 0)
     n_kept = 1
-    band_seen = 0
+    band_seen = tl.full([], 0, tl.int32)
     for t in tl.static_range(NUM_TILES):
         pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
         middle = (pages > 0) & (pages < last)
@@ -1060,10 +1074,13 @@ def _select_row(
         else:
             pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
         keep = middle & (pib >= lo)
-        band = tl.where(exact_count, keep & (pib <= hi), False)
-        band_rank = band_seen + tl.cumsum(band.to(tl.int32), axis=0)  # 1-based
-        keep = keep & ~(band & (band_rank <= n_skip))
-        band_seen += tl.sum(band.to(tl.int32), axis=0)
+        if exact_count:
+            # Only the fixed count ranks its band pages: the coverage rule
+            # skips this scan (one of the two over the tile).
+            band = keep & (pib <= hi)
+            band_rank = band_seen + tl.cumsum(band.to(tl.int32), axis=0)  # 1-based
+            keep = keep & ~(band & (band_rank <= n_skip))
+            band_seen += tl.sum(band.to(tl.int32), axis=0)
         slot = n_kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(out + slot, pages, mask=keep)
         n_kept += tl.sum(keep.to(tl.int32), axis=0)
@@ -1611,7 +1628,9 @@ def attend(
         GROUP_ROWS=group_rows,
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        **ATTEND_LAUNCH,
+        num_warps=ATTEND_LAUNCH["num_warps"],
+        num_stages=ATTEND_LAUNCH["num_stages"],
+        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
     )
     kernel_moira_merge[(num_rows, num_q_heads)](
         page_count,
