@@ -438,10 +438,18 @@ def main() -> int:
         "--real-fractions", help="JSON list of kept fractions (or {'fractions': [...]})"
     )
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--attend-fill-blocks", type=int, default=None,
-                    help="Moira's N_F (MoiraConfig.attend_fill_blocks; default: the config's)")
-    ap.add_argument("--min-chunk-pages", type=int, default=None,
-                    help="Moira's C (MoiraConfig.min_chunk_pages; default: the config's)")
+    ap.add_argument(
+        "--attend-fill-blocks",
+        type=int,
+        default=None,
+        help="Moira's N_F (MoiraConfig.attend_fill_blocks; default: the config's)",
+    )
+    ap.add_argument(
+        "--min-chunk-pages",
+        type=int,
+        default=None,
+        help="Moira's C (MoiraConfig.min_chunk_pages; default: the config's)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--iters", type=int, default=15, help="graph replays timed (median)")
     ap.add_argument("--seed", type=int, default=0)

@@ -620,8 +620,11 @@ def main():
     parser.add_argument("--json", help="correctness record")
     parser.add_argument("--timing-json", help="timing sanity record")
     parser.add_argument("--skip-timing", action="store_true")
-    parser.add_argument("--sweep-attend", action="store_true",
-                        help="time Attend launch configs (outputs checked against the default)")
+    parser.add_argument(
+        "--sweep-attend",
+        action="store_true",
+        help="time Attend launch configs (outputs checked against the default)",
+    )
     parser.add_argument("--attend-sweep", default=None,
                         help="JSON list of ATTEND_LAUNCH changes for --sweep-attend "
                         "(default: ATTEND_SWEEP)")  # fmt: skip

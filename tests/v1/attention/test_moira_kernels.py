@@ -408,14 +408,20 @@ def test_default_split_constants_single_and_multi_chunk():
     assert _chunks_written(ws, 1, num_splits, 2) == 2
 
 
-@pytest.mark.parametrize(("fill_blocks", "chunks"), [(1, [0, 2]), (512, [24, 25]), (16, [8, 7])])
-def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(fill_blocks, chunks):
-    """attend_fill_blocks N_F: 2 lists of 24 and 25 pages cannot give N_F
-    blocks of C = 24 pages, so chunks shrink to ceil(n * 2 / N_F) pages: one
-    page at the default 512 (24 and 25 chunks), 3 and 4 pages at 16 (8 and 7
-    chunks); N_F = 1 is Eq. 4. The output equals dense attention each time."""
+@pytest.mark.parametrize(
+    ("pages", "fill_blocks", "chunks"),
+    [([24, 25], 1, [0, 2]), ([24, 25], 512, [24, 25]), ([24, 25], 16, [6, 7]),
+     ([10, 40], 10, [2, 8])],
+)  # fmt: skip
+def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, chunks):
+    """attend_fill_blocks N_F: lists of 24 and 25 pages (49 in the step)
+    cannot give N_F blocks of C = 24 pages, so chunks shrink to ceil(49 / N_F)
+    pages: one page at the default 512 (24 and 25 chunks), 4 pages at 16 (6
+    and 7 chunks); N_F = 1 is Eq. 4. The chunk size is the step's, not each
+    list's: lists of 10 and 40 pages at N_F = 10 both get 5-page chunks (2 and
+    8 of them). The output equals dense attention each time."""
     config = moira.MoiraConfig(gamma=1.0, attend_fill_blocks=fill_blocks)
-    seq_lens = [24 * PAGE, 25 * PAGE]
+    seq_lens = [n * PAGE for n in pages]
     kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "token_major", seed=3)
     ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
     ws.partial_lse.fill_(float("nan"))
@@ -426,6 +432,26 @@ def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(fill_blocks, chunks):
     torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
     written = [_chunks_written(ws, row, num_splits, 2) for row in range(2)]
     assert written == chunks
+
+
+def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
+    """Select leaves the sum of the step's list lengths in
+    workspace.list_pages (Estimate zeroes it first, so a second step does not
+    accumulate); attend() without it sums the counts itself and gives the
+    same output bit for bit."""
+    config = moira.MoiraConfig(gamma=0.9, **SMALL_SPLITS)
+    seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
+    ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    for _ in range(2):
+        moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+        assert int(ws.list_pages[0]) == int(ws.page_count[:4].sum())
+    ws.list_pages.fill_(-5)
+    again = torch.full_like(out, float("nan"))
+    moira.attend(query, kv, table, seq, ws.page_list, ws.page_count, again, ws, 0.125)
+    assert int(ws.list_pages[0]) == int(ws.page_count[:4].sum())
+    assert torch.equal(again, out)
 
 
 def test_dense_batch_tokens_reads_short_rows_whole():

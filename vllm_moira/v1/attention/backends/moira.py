@@ -167,10 +167,11 @@ class MoiraConfig:
     #: N_T: fewest Attend blocks per grid (so a few long rows fill the GPU).
     min_splits_total: int = 4096
     #: N_F: working Attend blocks a grid aims for before chunks grow to C.
-    #: A chunk is max(ceil(n / J), min(C, ceil(n * B * H_kv / N_F))) pages:
-    #: Eq. 4 when the batch has enough pages (n * B * H_kv >= C * N_F), and
-    #: smaller chunks when it has not (batch 1, short rows), where C pages in
-    #: one block would be a serial chain of page reads. 1 = Eq. 4 exactly.
+    #: A chunk is max(ceil(n / J), min(C, ceil(P / N_F))) pages, P the pages
+    #: in all lists of the step: Eq. 4 when the step has enough pages
+    #: (P >= C * N_F), and smaller chunks when it has not (batch 1, short
+    #: rows), where C pages in one block would be a serial chain of page
+    #: reads. 1 = Eq. 4 exactly.
     attend_fill_blocks: int = 512
     #: Rows with (context tokens) x (decode rows in the batch) at or below
     #: this read every page: Estimate and Select skip them (their cost is a
@@ -711,6 +712,7 @@ def kernel_moira_estimate(
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
     selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (if SKIP_DENSE_ROWS)
+    list_pages_ptr,  # [1] int32: the step's pages in all lists (zeroed, if RESET_LIST_PAGES)
     scale,
     stride_q_row: tl.int64,
     stride_q_head: tl.int64,
@@ -736,6 +738,7 @@ def kernel_moira_estimate(
     INT8: tl.constexpr = False,
     KEY_STAGES: tl.constexpr = 1,
     INT8_CONVERT: tl.constexpr = 0,
+    RESET_LIST_PAGES: tl.constexpr = False,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -746,6 +749,12 @@ def kernel_moira_estimate(
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
+    # Select (the next kernel) adds every list's length to this total, which
+    # sizes Attend's chunks; one program zeroes it for the step. (The outer
+    # test is a constexpr: without it the store is not compiled at all.)
+    if RESET_LIST_PAGES:  # noqa: SIM102
+        if (row == 0) & (head == 0) & (z == 0):
+            tl.store(list_pages_ptr, 0)
     tile = z - 2
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
@@ -816,6 +825,7 @@ def estimate_page_logmass(
     scale: float,
     estimator: str,
     selector_params: torch.Tensor | None = None,
+    list_pages: torch.Tensor | None = None,
 ) -> None:
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
@@ -823,7 +833,9 @@ def estimate_page_logmass(
     and the config's default is not the paper's mvar). Grid covers
     ``block_table.shape[1]`` pages per row. ``selector_params``
     (``MoiraWorkspace.selector_params``): rows that Select will keep whole
-    (``dense_batch_tokens``) are skipped; None estimates every row."""
+    (``dense_batch_tokens``) are skipped; None estimates every row.
+    ``list_pages`` (int32 ``[1]``, ``MoiraWorkspace.list_pages``) is zeroed
+    for Select to sum the step's list lengths into."""
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
     num_slots, scales = _summary_layout(summaries)
@@ -851,6 +863,8 @@ def estimate_page_logmass(
         logmass,
         # Unread when SKIP_DENSE_ROWS is False; any fp32 pointer will do.
         logmass if selector_params is None else selector_params,
+        # Unwritten when RESET_LIST_PAGES is False.
+        seq_lens if list_pages is None else list_pages,
         scale,
         query.stride(0),
         query.stride(1),
@@ -876,6 +890,7 @@ def estimate_page_logmass(
         INT8=summaries.dtype == torch.int8,
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
         INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
+        RESET_LIST_PAGES=list_pages is not None,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
     )
@@ -917,6 +932,7 @@ def _select_row(
     out,  # this row's page list
     count_ptr,
     read_stats_ptr,
+    list_pages_ptr,
     selector_ptr,
     gamma,  # this row's coverage target (its request's, else the server's)
     num_pages,
@@ -927,6 +943,7 @@ def _select_row(
     NUM_TILES: tl.constexpr,
     LANES: tl.constexpr,
     LANE_PASSES: tl.constexpr,
+    HAS_LIST_PAGES: tl.constexpr,
 ):
     # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
     # LANES > 1 (one tile, K_B = LANES, LANE_PASSES = 24 / log2 K_B): the
@@ -1092,6 +1109,9 @@ def _select_row(
     # per (row, KV head), read by the host only outside the decode step.
     tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64))  # type: ignore[attr-defined]
     tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
+    if HAS_LIST_PAGES:
+        # The step's total for Attend's chunk size (integer: order-free).
+        tl.atomic_add(list_pages_ptr, n_kept)
 
 
 @triton.jit
@@ -1102,6 +1122,7 @@ def kernel_moira_select(
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
     page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
     read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
+    list_pages_ptr,  # [1] int32: the step's pages in all lists (added to, if HAS_LIST_PAGES)
     selector_ptr,  # [4] fp32: gamma, fixed K (0 = off), fixed fraction (0 = off),
     # dense batch pages (0 = off)
     row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
@@ -1122,6 +1143,7 @@ def kernel_moira_select(
     LONG_LANE_PASSES: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_ROW_GAMMA: tl.constexpr,
+    HAS_LIST_PAGES: tl.constexpr = False,
 ):
     # One program per (row, KV head). Writes the row's page list (logical
     # page indices in page order, sink first, current page last) and its
@@ -1155,23 +1177,27 @@ def kernel_moira_select(
         tl.store(count_ptr, num_pages)
         tl.atomic_add(read_stats_ptr, num_pages.to(tl.int64))  # type: ignore[attr-defined]
         tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
+        if HAS_LIST_PAGES:
+            tl.atomic_add(list_pages_ptr, num_pages)
         return
     if SHORT_TILE_PAGES < TILE_PAGES:
         if num_pages < SHORT_TILE_PAGES:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, gamma, num_pages,
-                stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
+                HAS_LIST_PAGES,
             )  # fmt: skip
         else:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, gamma, num_pages,
-                stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
-                LONG_LANES, LONG_LANE_PASSES,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
+                LONG_LANES, LONG_LANE_PASSES, HAS_LIST_PAGES,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, selector_ptr, gamma, num_pages,
-            stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
+            lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+            num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
+            HAS_LIST_PAGES,
         )  # fmt: skip
 
 
@@ -1186,6 +1212,7 @@ def select_pages(
     max_pages: int,
     read_stats: torch.Tensor,
     row_gamma: torch.Tensor | None = None,
+    list_pages: torch.Tensor | None = None,
 ) -> None:
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
@@ -1195,7 +1222,8 @@ def select_pages(
     it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept
     and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
     ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
-    was last zeroed.
+    was last zeroed. ``list_pages`` (int32 ``[1]``, zeroed by Estimate) gets
+    the lengths of all the lists added, for Attend's chunk size.
     """
     num_kv_heads, group_size = logmass.shape[1], logmass.shape[2]
     tile_pages = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
@@ -1212,6 +1240,8 @@ def select_pages(
         page_list,
         page_count,
         read_stats,
+        # Unwritten when HAS_LIST_PAGES is False.
+        page_count if list_pages is None else list_pages,
         selector_params,
         # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
         selector_params if row_gamma is None else row_gamma,
@@ -1233,6 +1263,7 @@ def select_pages(
         LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
+        HAS_LIST_PAGES=list_pages is not None,
         num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
     )
 
@@ -1241,12 +1272,14 @@ def select_pages(
 # Attend (Eq. 4, Alg. 2) and Merge
 # ==========================================================================
 @triton.jit
-def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, num_lists):
+def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
     # Pages per Attend chunk of a list of n pages (Eq. 4 with a fill rule):
     # at least ceil(n / J) so that J blocks cover the list; otherwise C, or
-    # less when the batch's num_lists lists of about n pages could not give
-    # fill_blocks blocks C pages each (batch 1, short rows).
-    fill = tl.cdiv(n * num_lists, fill_blocks)
+    # less when the step's lists (list_pages pages in all) could not give
+    # fill_blocks blocks C pages each (batch 1, short rows). The fill term is
+    # the same for every list, so chunks are even across lists of different
+    # lengths (a long list gets more chunks, not longer ones).
+    fill = tl.cdiv(list_pages, fill_blocks)
     chunk = tl.maximum(tl.cdiv(n, num_splits), tl.minimum(min_chunk_pages, fill))
     return tl.maximum(chunk, 1)
 
@@ -1259,6 +1292,7 @@ def kernel_moira_attend(
     seq_lens_ptr,  # [num_rows] int32
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
     page_count_ptr,  # [max_rows, num_kv_heads] int32
+    list_pages_ptr,  # [1] int32: pages in all the lists of the step
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, 1-chunk rows)
     partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32 (out)
     partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32 (out)
@@ -1290,8 +1324,8 @@ def kernel_moira_attend(
     head = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(page_count_ptr + row * stride_pc_row + head)
-    num_lists = tl.num_programs(0) * tl.num_programs(1)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, num_lists)
+    list_pages = tl.load(list_pages_ptr)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
     num_chunks = tl.cdiv(n, chunk)
     if split >= num_chunks:
         return
@@ -1353,6 +1387,7 @@ def kernel_moira_attend(
 @triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_moira_merge(
     page_count_ptr,  # [max_rows, num_kv_heads] int32
+    list_pages_ptr,  # [1] int32: pages in all the lists of the step
     partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32
     partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
@@ -1372,9 +1407,9 @@ def kernel_moira_merge(
     q_head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
     n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
-    # Attend's grid had num_rows * H_kv lists: the same chunking as there.
-    num_lists = tl.num_programs(0) * (num_q_heads // GROUP_SIZE)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, num_lists)
+    # The same chunking as Attend's.
+    list_pages = tl.load(list_pages_ptr)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
     num_chunks = tl.cdiv(n, chunk)
     if num_chunks <= 1:
         return
@@ -1511,6 +1546,9 @@ class MoiraWorkspace:
         #: Pages kept and pages in the rows, summed over layers and steps
         #: (Select adds to it on the device; zero it to start a window).
         self.read_stats = torch.zeros(2, dtype=torch.int64, device=device)
+        #: Pages in all the lists of the current step (Estimate zeroes it,
+        #: Select adds each list, Attend and Merge size their chunks by it).
+        self.list_pages = torch.zeros(1, dtype=i32, device=device)
         #: Select's parameters (gamma, K, fraction), read on the device so that
         #: set_selector() changes what captured graphs do.
         self.selector_params = torch.tensor(config.selector_values(), dtype=f32, device=device)
@@ -1562,6 +1600,7 @@ class MoiraWorkspace:
             self.partial_out,
             self.partial_lse,
             self.read_stats,
+            self.list_pages,
             self.selector_params,
             self.row_gamma,
         )
@@ -1578,13 +1617,17 @@ def attend(
     output: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
+    list_pages: torch.Tensor | None = None,
 ) -> None:
     """Attend + Merge over any selector's page lists.
 
     ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
     page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
-    The split constants (C, N_J, N_T) come from ``workspace.config``.
+    The split constants (C, N_J, N_T, N_F) come from ``workspace.config``.
+    ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
+    leaves it in ``workspace.list_pages``; None sums the counts here (one
+    reduction on the device, into ``workspace.list_pages``).
     """
     config = workspace.config
     num_rows, num_q_heads, head_size = query.shape
@@ -1599,6 +1642,10 @@ def attend(
     group_size = num_q_heads // num_kv_heads
     num_splits = config.num_splits(num_rows, num_kv_heads)
     group_rows = _group_rows(group_size)
+    if list_pages is None:
+        list_pages = workspace.list_pages
+        torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
+                  out=list_pages[0])  # fmt: skip
     kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
         query,
         kv_cache,
@@ -1606,6 +1653,7 @@ def attend(
         seq_lens,
         page_list,
         page_count,
+        list_pages,
         output,
         workspace.partial_out,
         workspace.partial_lse,
@@ -1634,6 +1682,7 @@ def attend(
     )
     kernel_moira_merge[(num_rows, num_q_heads)](
         page_count,
+        list_pages,
         workspace.partial_out,
         workspace.partial_lse,
         output,
@@ -1682,6 +1731,7 @@ def estimate_and_select(
         scale,
         workspace.config.estimator,
         workspace.selector_params,
+        list_pages=workspace.list_pages,
     )
     select_pages(
         workspace.logmass,
@@ -1694,6 +1744,7 @@ def estimate_and_select(
         max_pages,
         workspace.read_stats,
         row_gamma=workspace.row_gamma,
+        list_pages=workspace.list_pages,
     )
 
 
@@ -1727,6 +1778,7 @@ def moira_decode(
         output,
         workspace,
         scale,
+        list_pages=workspace.list_pages,
     )
 
 
