@@ -5,8 +5,8 @@ CPU only (matplotlib, Agg backend). Inputs that are missing are skipped with a
 message; every figure that can be drawn is written:
 
   tpot_prmt_h200.json -> docs/img/tpot_speedup.png  (dense / Moira TPOT by shape)
-  tpot_h200.json     -> docs/img/tpot_batch1.png    (batch 1 TPOT vs context)
-                        docs/img/step_breakdown.png (ms per step by kernel)
+  tpot_select_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
+  tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
   kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
   serving_h200.json  -> docs/img/serving_throughput.png (output tok/s vs concurrency)
 
@@ -28,6 +28,8 @@ from benchmarks.bench_tpot import speedup_rows  # noqa: E402  (pure helpers, no 
 
 #: The latest TPOT run at the five shapes (docs/benchmarks.md, "TPOT").
 TPOT_LATEST = "tpot_prmt_h200.json"
+#: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
+TPOT_BATCH1_LATEST = "tpot_select_h200.json"
 BREAKDOWN_PARTS = ("estimate", "select", "attend", "merge", "summaries", "fa3", "gemm", "rest")
 CV_ORDER = {"0": 0, "0.0": 0, "0.5": 1, "1": 2, "1.0": 2, "1.2": 3, "real": 4}
 
@@ -235,15 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     img.mkdir(parents=True, exist_ok=True)
     written = []
     # The speedup figure from the latest five-shape run (the default estimator
-    # of its day); batch 1 and the per-kernel windows from tpot_h200.json.
+    # of its day), batch 1 from the latest run with it; the per-kernel windows
+    # from tpot_h200.json.
     latest = _load(results / TPOT_LATEST) or _load(results / "tpot_h200.json")
     if latest:
         written.append(plot_tpot_speedup(latest, img / "tpot_speedup.png"))
+    batch1 = _load(results / TPOT_BATCH1_LATEST) or _load(results / "tpot_h200.json")
+    if batch1:
+        written.append(plot_tpot_batch1(batch1, img / "tpot_batch1.png"))
     tpot = _load(results / "tpot_h200.json")
     if tpot:
-        for fn, name in ((plot_tpot_batch1, "tpot_batch1.png"),
-                         (plot_breakdown, "step_breakdown.png")):  # fmt: skip
-            written.append(fn(tpot, img / name))
+        written.append(plot_breakdown(tpot, img / "step_breakdown.png"))
     kernels = _load(results / "kernels_h200.json")
     if kernels:
         written.append(plot_kernel_spread(kernels, img / "kernel_spread.png"))
