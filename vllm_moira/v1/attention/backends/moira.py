@@ -129,8 +129,9 @@ _SELECT_SHORT_TILE_PAGES = 256
 # lanes = 1 is Alg. 1's one reduction per threshold (K_B = 4 / 2).
 # benchmarks/moira_correctness.py --sweep-estimate-select measures these: with
 # the pass's invariant masks hoisted, 8 lanes on 16 warps took 11.4-11.6 us
-# at 4x131072 against 12.7-12.9 for the earlier 4 on 8 (three sweeps of one
-# session; docs/benchmarks.md, "Select's bisection pass").
+# at 4x131072 against 12.7-12.9 for the earlier 4 on 8 (five sweeps in two
+# calls; docs/benchmarks.md, "Select's bisection pass, and Attend's launch and
+# split constants").
 SELECT_LAUNCH = {"long_lanes": 8, "long_num_warps": 16}
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
@@ -141,8 +142,8 @@ _MIN_DOT_ROWS = 16
 # maxnreg: register cap per thread (None: ptxas's choice). Nsight Compute
 # found Attend at 3 blocks per SM, limited by its registers (148) and shared
 # memory alike; a cap of 128 (4 blocks) measured 12% faster at 32x8192 and 18%
-# slower at 4x131072 (docs/benchmarks.md, "Attend's launch and split
-# constants"), so ptxas keeps its choice. Two pages per loop step (twice the
+# slower at 4x131072 (docs/benchmarks.md, the section above), so ptxas keeps
+# its choice. Two pages per loop step (twice the
 # bytes in flight per block) was no faster and is not in the tree.
 ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
 
