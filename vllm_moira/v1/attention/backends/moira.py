@@ -143,8 +143,8 @@ _MIN_DOT_ROWS = 16
 # found Attend at 3 blocks per SM, limited by its registers (148) and shared
 # memory alike; a cap of 128 (4 blocks) measured 12% faster at 32x8192 and 18%
 # slower at 4x131072 (docs/benchmarks.md, same section as Select's launch), so
-# ptxas keeps its choice. Two pages per loop step (twice the
-# bytes in flight per block) was no faster and is not in the tree.
+# ptxas keeps its choice. Two pages per loop step (twice the bytes in flight
+# per block) was no faster and is not in the tree.
 ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
 
 
