@@ -493,6 +493,7 @@ def main() -> int:
             "min_splits_per_row": moira_config.min_splits_per_row,
             "min_splits_total": moira_config.min_splits_total,
             "attend_fill_blocks": moira_config.attend_fill_blocks,
+            "attend_fill_blocks_resolved": moira.resolve_attend_fill_blocks(moira_config, "cuda"),
         },
         "notes": [
             "FlashInfer is not installed on this host: no flashinfer rows.",

@@ -229,6 +229,60 @@ def check_graph_replay(case, gamma=0.98, config=None):
     return results
 
 
+def check_dependent_launches(case, config=None):
+    """Dependent launches (moira.DECODE_LAUNCH["pdl"]) change when blocks are
+    scheduled, never what they compute. Two steps of different lengths on one
+    workspace, back to back (so that each kernel's blocks may start while the
+    previous kernel, of the same or the previous step, still runs), eager and
+    replayed from one graph, equal the same steps launched plainly, bit for
+    bit, lists included."""
+    config = config or moira.MoiraConfig(gamma=0.98)
+    ws = workspace(case, config)
+    seqs = (case["seq"], (case["seq"] // 3).clamp_min(1))
+    gen = torch.Generator().manual_seed(5)
+    queries = (case["query"], torch.randn(case["query"].shape, generator=gen).to("cuda",
+               torch.bfloat16))  # fmt: skip
+    outs = tuple(torch.empty_like(case["query"]) for _ in seqs)
+
+    def two_steps():
+        for seq, query, out in zip(seqs, queries, outs):
+            moira.moira_decode(query, case["kv"], case["summaries"], case["table"], seq, out,
+                               ws, SCALE)  # fmt: skip
+
+    def run(replay):
+        for out in outs:
+            out.fill_(float("nan"))
+        if replay:
+            replay.replay()
+        else:
+            two_steps()
+        torch.cuda.synchronize()
+        return [o.clone() for o in outs] + [ws.page_list.clone(), ws.page_count.clone()]
+
+    default_launch = dict(moira.DECODE_LAUNCH)
+    try:
+        moira.DECODE_LAUNCH["pdl"] = False
+        plain = run(None)
+        result = {}
+        for early in (False, True):
+            moira.DECODE_LAUNCH.update(pdl=True, early_trigger=early)
+            result["dependent_launch_on"] = bool(moira._dependent_launch())
+            eager = run(None)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                two_steps()
+            replayed = run(graph)
+            trigger = "early_trigger" if early else "exit_trigger"
+            result[f"{trigger}_eager_equal_bits"] = all(map(torch.equal, plain, eager))
+            result[f"{trigger}_graph_equal_bits"] = all(map(torch.equal, plain, replayed))
+    finally:
+        moira.DECODE_LAUNCH.clear()
+        moira.DECODE_LAUNCH.update(default_launch)
+    result["eager_equal_bits"] = all(v for k, v in result.items() if k.endswith("eager_equal_bits"))
+    result["graph_equal_bits"] = all(v for k, v in result.items() if k.endswith("graph_equal_bits"))
+    return result
+
+
 def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None):
     estimator, summary_dtype = split_summary_dtype(estimator or moira.MoiraConfig().estimator)
     config = moira.MoiraConfig(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
@@ -516,6 +570,70 @@ def sweep_select_launch(ws, select, batch):
     return rows
 
 
+#: Dependent-launch settings that --step-launches times (moira.DECODE_LAUNCH).
+STEP_LAUNCH_VARIANTS = {
+    "no_pdl": {"pdl": False},
+    "pdl": {"pdl": True, "early_trigger": False},
+    "pdl_early": {"pdl": True, "early_trigger": True},
+}
+
+
+def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
+    """The whole decode step per layer (one graph of 20 steps) under each
+    STEP_LAUNCH_VARIANTS setting, for three selectors: the coverage rule on
+    every row, fixed count at ``kept_fraction``, and the dense-row path
+    (every row read whole, as the backend's dense_batch_tokens does at batch
+    1); and Estimate + Select. ``fill_blocks``: N_F values to time the
+    dense-row and fixed steps under as well (default launch). Outputs are
+    compared with the first variant's (same kernels, same arithmetic: equal
+    bit for bit)."""
+    batch = case["query"].shape[0]
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    configs = {
+        "coverage": moira.MoiraConfig(gamma=0.98),
+        "fixed": moira.MoiraConfig(
+            selector="fixed", fixed_pages=max(2, round(kept_fraction * case["max_pages"]))
+        ),
+        "dense_rows": moira.MoiraConfig(dense_batch_tokens=case["max_pages"] * PAGE * batch),
+    }
+    rows = {}
+    default_launch = dict(moira.DECODE_LAUNCH)
+    try:
+        outputs = {}
+        for variant, launch in STEP_LAUNCH_VARIANTS.items():
+            moira.DECODE_LAUNCH.update(launch)
+            for name, config in configs.items():
+                ws = workspace(case, config)
+                out = torch.full_like(case["query"], float("nan"))
+                rows[f"step_{name}_{variant}_us"] = graph_time_us(
+                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE)
+                )
+                if name in outputs:
+                    rows[f"step_{name}_{variant}_equal_bits"] = bool(
+                        torch.equal(out, outputs[name])
+                    )
+                else:
+                    outputs[name] = out
+            ws = workspace(case, configs["coverage"])
+            rows[f"estimate_select_{variant}_us"] = graph_time_us(
+                lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE)
+            )
+            moira.DECODE_LAUNCH.clear()
+            moira.DECODE_LAUNCH.update(default_launch)
+        for fill in fill_blocks:
+            for name in ("dense_rows", "fixed"):
+                config = dataclasses.replace(configs[name], attend_fill_blocks=fill)
+                ws = workspace(case, config)
+                out = torch.full_like(case["query"], float("nan"))
+                rows[f"step_{name}_fill{fill}_us"] = graph_time_us(
+                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE)
+                )
+    finally:
+        moira.DECODE_LAUNCH.clear()
+        moira.DECODE_LAUNCH.update(default_launch)
+    return rows
+
+
 def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_select=False):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -647,6 +765,14 @@ def main():
     )
     parser.add_argument("--only-estimators", action="store_true",
                         help="with --estimators: skip the other checks and timings")  # fmt: skip
+    parser.add_argument("--skip-checks", action="store_true",
+                        help="timing only (no gamma=1, graph, Select, layout checks)")  # fmt: skip
+    parser.add_argument("--step-launches", action="store_true",
+                        help="time the whole decode step with and without dependent launches "
+                        "(coverage, fixed count, dense rows)")  # fmt: skip
+    parser.add_argument("--step-fill-blocks", default="",
+                        help="with --step-launches: comma list of N_F to time the dense-row "
+                        "and fixed steps under")  # fmt: skip
     args = parser.parse_args()
     if args.estimate_sweep is not None:
         ESTIMATE_SWEEP[:] = json.loads(args.estimate_sweep)
@@ -673,11 +799,13 @@ def main():
         t0 = time.time()
         case = build_case(batch, context)
         entry = {"shape": shape, "seq_lens": case["seq_lens"]}
-        if not args.only_estimators:
+        if not args.only_estimators and not args.skip_checks:
             entry["gamma_one"] = check_gamma_one(case)
             print(shape, "gamma=1", entry["gamma_one"], flush=True)
             entry["graph_replay"] = check_graph_replay(case)
             print(shape, "graph", entry["graph_replay"], flush=True)
+            entry["dependent_launches"] = check_dependent_launches(case)
+            print(shape, "dependent launches", entry["dependent_launches"], flush=True)
             entry["select"] = check_select_and_estimate(case)
             print(shape, "select", entry["select"], flush=True)
             entry["layouts"] = check_layouts(case)
@@ -708,6 +836,9 @@ def main():
                 ),
             }
             row["attend_fraction_of_copy_bw"] = row["attend_tbps"] / timing["d2d_copy_tbps"]
+            if args.step_launches:
+                fills = [int(f) for f in args.step_fill_blocks.split(",") if f]
+                row.update(time_step_launches(case, fill_blocks=fills))
             timing["rows"].append(row)
             print(shape, "timing", json.dumps(row), flush=True)
         print(shape, f"done in {time.time() - t0:.1f}s", flush=True)

@@ -208,7 +208,7 @@ def test_config_defaults():
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
     # The backend reads rows of small batches whole; the kernel API does not.
-    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (512, 32768)
+    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 32768)
     assert moira_module().MoiraConfig().dense_batch_tokens == 0
 
 
@@ -244,7 +244,7 @@ def test_config_from_env_values():
         ),
         ({"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"}, r"fixed_pages"),
         ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"min_chunk_pages must be an integer >= 1"),
-        ({"MOIRA_ATTEND_FILL_BLOCKS": "0"}, r"attend_fill_blocks must be an integer >= 1"),
+        ({"MOIRA_ATTEND_FILL_BLOCKS": "-1"}, r"attend_fill_blocks must be an integer >= 0"),
         ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"dense_batch_tokens must be an integer >= 0"),
         ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),

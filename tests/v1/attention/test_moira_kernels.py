@@ -416,7 +416,7 @@ def test_default_split_constants_single_and_multi_chunk():
 def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, chunks):
     """attend_fill_blocks N_F: lists of 24 and 25 pages (49 in the step)
     cannot give N_F blocks of C = 24 pages, so chunks shrink to ceil(49 / N_F)
-    pages: one page at the default 512 (24 and 25 chunks), 4 pages at 16 (6
+    pages: one page at 512 (24 and 25 chunks), 4 pages at 16 (6
     and 7 chunks); N_F = 1 is Eq. 4. The chunk size is the step's, not each
     list's: lists of 10 and 40 pages at N_F = 10 both get 5-page chunks (2 and
     8 of them). The output equals dense attention each time."""
@@ -432,6 +432,15 @@ def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, ch
     torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
     written = [_chunks_written(ws, row, num_splits, 2) for row in range(2)]
     assert written == chunks
+
+
+def test_fill_blocks_default_is_the_blocks_the_device_holds():
+    """attend_fill_blocks = 0 (default) resolves to ATTEND_BLOCKS_PER_SM per SM
+    (off the GPU: 132 SMs, an H200); a set value is used as given."""
+    ws = moira.MoiraWorkspace(2, 2, 1, 64, 8, moira.MoiraConfig(), "cpu")
+    assert ws.attend_fill_blocks == moira.ATTEND_BLOCKS_PER_SM * 132 == 396
+    ws = moira.MoiraWorkspace(2, 2, 1, 64, 8, moira.MoiraConfig(attend_fill_blocks=7), "cpu")
+    assert ws.attend_fill_blocks == 7
 
 
 def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
@@ -516,7 +525,7 @@ def test_merge_matches_reference_lse_combine():
         (dict(selector="fixed", fixed_pages=3, fixed_fraction=0.5), "exactly one of"),
         (dict(fixed_pages=4), "only used with selector='fixed'"),
         (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
-        (dict(attend_fill_blocks=0), "attend_fill_blocks must be an integer >= 1"),
+        (dict(attend_fill_blocks=-1), "attend_fill_blocks must be an integer >= 0"),
         (dict(dense_batch_tokens=-64), "dense_batch_tokens must be an integer >= 0"),
     ],
 )

@@ -64,6 +64,14 @@ def test_graph_replay_equals_eager_bitwise(case):
         assert result["bitwise_equal"] and result["lists_equal"], name
 
 
+def test_dependent_launches_equal_plain_launches_bitwise(case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_dependent_launches(case)
+    assert result["dependent_launch_on"], result  # Hopper: the launches are dependent
+    assert result["eager_equal_bits"] and result["graph_equal_bits"], result
+
+
 def test_select_lists_equal_reference(case):
     from benchmarks import moira_correctness as mc
 
@@ -135,6 +143,13 @@ def test_small_batch_graph_replay_equals_eager_bitwise(small_case):
 
     for name, result in mc.check_graph_replay(small_case, config=_backend_config()).items():
         assert result["bitwise_equal"] and result["lists_equal"], name
+
+
+def test_small_batch_dependent_launches_equal_plain_launches_bitwise(small_case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_dependent_launches(small_case, config=_backend_config())
+    assert result["eager_equal_bits"] and result["graph_equal_bits"], result
 
 
 def test_int8_to_fp16_by_byte_permutes_is_exact():

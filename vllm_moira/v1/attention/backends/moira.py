@@ -54,6 +54,11 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+try:  # Hopper grid dependency control (Triton >= 3.4)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: no dependent launches
+    gdc_launch_dependents = gdc_wait = None
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 # ==========================================================================
@@ -146,6 +151,24 @@ _MIN_DOT_ROWS = 16
 # ptxas keeps its choice. Two pages per loop step (twice the bytes in flight
 # per block) was no faster and is not in the tree.
 ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
+# Attend blocks resident per SM at ATTEND_LAUNCH (Nsight Compute, H200: 3,
+# limited by registers and shared memory alike); attend_fill_blocks = 0 aims
+# a small step at this many blocks per SM, one full wave. Measured against
+# N_F = 512 (1.3 waves at batch 1): the batch-1 dense-row step 13-16% faster
+# at 16k-64k tokens, fixed count at 32x8192 7% faster (docs/benchmarks.md,
+# "Launch gaps, and one wave for small steps").
+ATTEND_BLOCKS_PER_SM = 3
+# SMs assumed off the GPU (CPU tests): an H100 / H200 SXM.
+_DEFAULT_SM_COUNT = 132
+# Programmatic dependent launch (Hopper): each decode-step kernel is launched
+# so that its blocks may be scheduled while the kernel before it finishes;
+# every such kernel first waits (gdc_wait) for the previous kernel's memory.
+# Between kernels of a few microseconds (batch 1, Select's 32 programs) the
+# launch gap is a large part of the step; docs/benchmarks.md, "Launch gaps".
+# pdl=False launches every kernel after the previous one has completed.
+# early_trigger: a kernel lets the next one be scheduled as soon as all of
+# its blocks have started (gdc_launch_dependents) instead of as they exit.
+DECODE_LAUNCH: dict[str, Any] = {"pdl": True, "early_trigger": False}
 
 
 @dataclass(frozen=True)
@@ -172,8 +195,10 @@ class MoiraConfig:
     #: in all lists of the step: Eq. 4 when the step has enough pages
     #: (P >= C * N_F), and smaller chunks when it has not (batch 1, short
     #: rows), where C pages in one block would be a serial chain of page
-    #: reads. 1 = Eq. 4 exactly.
-    attend_fill_blocks: int = 512
+    #: reads. 1 = Eq. 4 exactly. 0 = the blocks the device holds at once
+    #: (ATTEND_BLOCKS_PER_SM per SM: 396 on an H200), so that a small step's
+    #: blocks run as one wave (MoiraWorkspace.attend_fill_blocks).
+    attend_fill_blocks: int = 0
     #: Rows with (context tokens) x (decode rows in the batch) at or below
     #: this read every page: Estimate and Select skip them (their cost is a
     #: fixed latency that reading a small batch's few pages does not repay).
@@ -220,11 +245,15 @@ class MoiraConfig:
                 f"got fixed_pages={self.fixed_pages!r}, fixed_fraction="
                 f"{self.fixed_fraction!r} with selector={self.selector!r}"
             )
-        for name in ("min_chunk_pages", "min_splits_per_row", "min_splits_total",
-                     "attend_fill_blocks"):  # fmt: skip
+        for name in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Moira: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.attend_fill_blocks, int) or self.attend_fill_blocks < 0:
+            raise ValueError(
+                "Moira: attend_fill_blocks must be an integer >= 0 (0 = the blocks the "
+                f"GPU holds at once), got {self.attend_fill_blocks!r}"
+            )
         if not isinstance(self.dense_batch_tokens, int) or self.dense_batch_tokens < 0:
             raise ValueError(
                 "Moira: dense_batch_tokens must be an integer >= 0 (0 = off), "
@@ -325,6 +354,49 @@ def _register_cap(maxnreg: int | None) -> dict[str, int]:
     return {"maxnreg": int(maxnreg)}
 
 
+def _dependent_launch() -> dict[str, Any]:
+    """USE_GDC flag and launch option of a decode-step kernel (DECODE_LAUNCH).
+
+    Off under the interpreter, without Triton's grid dependency control, and
+    off the GPU; the kernels wait for the previous one either way."""
+    on = (
+        bool(DECODE_LAUNCH["pdl"])
+        and gdc_wait is not None
+        and not _triton_interpreting()
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability()[0] >= 9
+    )
+    if not on:
+        return {}
+    return {"USE_GDC": True, "EARLY_TRIGGER": bool(DECODE_LAUNCH["early_trigger"]),
+            "launch_pdl": True}  # fmt: skip
+
+
+@triton.jit
+def _wait_for_previous_kernel(USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+    # Under a dependent launch this kernel's blocks may start before the
+    # previous kernel has finished: wait until its memory is visible before
+    # any load or store. EARLY_TRIGGER then lets the next kernel's blocks be
+    # scheduled (they wait in turn, so every kernel still sees all earlier
+    # ones complete); otherwise they are as this kernel's blocks exit.
+    if USE_GDC:
+        gdc_wait()
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
+
+
+def resolve_attend_fill_blocks(config: MoiraConfig, device: torch.device | str) -> int:
+    """N_F that Attend uses on ``device``: ``config.attend_fill_blocks``, or for
+    0 ATTEND_BLOCKS_PER_SM per SM (off a CUDA device, _DEFAULT_SM_COUNT SMs)."""
+    if config.attend_fill_blocks:
+        return config.attend_fill_blocks
+    device = torch.device(device)
+    sms = _DEFAULT_SM_COUNT
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return ATTEND_BLOCKS_PER_SM * sms
+
+
 def _group_rows(group_size: int) -> int:
     """Rows of the query tile: G padded to a power of two and to tl.dot's minimum."""
     return max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size))
@@ -382,6 +454,8 @@ def kernel_moira_write_summaries(
     PAGE_SIZE: tl.constexpr,
     NUM_TOP: tl.constexpr = 0,
     INT8: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # One program per (token, KV head). Only the token that fills its page
     # (offset PAGE_SIZE - 1) summarizes; the others exit at once. The keys are
@@ -393,6 +467,7 @@ def kernel_moira_write_summaries(
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
     # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
     # with its fp32 scale (stored keys then are quantized, not bit copies).
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -473,6 +548,7 @@ def write_page_summaries(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         NUM_TOP=num_top,
         INT8=summaries.dtype == torch.int8,
+        **_dependent_launch(),
     )
 
 
@@ -740,6 +816,8 @@ def kernel_moira_estimate(
     KEY_STAGES: tl.constexpr = 1,
     INT8_CONVERT: tl.constexpr = 0,
     RESET_LIST_PAGES: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -747,6 +825,7 @@ def kernel_moira_estimate(
     # path of the summary tiles, and first in launch order (z varies slowest),
     # so that they do not run as a tail after the tiles. z >= 2: the summary
     # estimate of TILE_PAGES pages (_summary_tile_logmass).
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
@@ -894,6 +973,7 @@ def estimate_page_logmass(
         RESET_LIST_PAGES=list_pages is not None,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
+        **_dependent_launch(),
     )
 
 
@@ -1145,6 +1225,8 @@ def kernel_moira_select(
     PAGE_SIZE: tl.constexpr,
     HAS_ROW_GAMMA: tl.constexpr,
     HAS_LIST_PAGES: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # One program per (row, KV head). Writes the row's page list (logical
     # page indices in page order, sink first, current page last) and its
@@ -1153,6 +1235,7 @@ def kernel_moira_select(
     # Rows of < 256 pages (K_B = 8) take a small register tile, so their cost
     # does not grow with max_model_len; longer rows take the full tile
     # (LONG_LANES thresholds per pass; 1 when the row needs several tiles).
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -1266,6 +1349,7 @@ def select_pages(
         HAS_ROW_GAMMA=row_gamma is not None,
         HAS_LIST_PAGES=list_pages is not None,
         num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
+        **_dependent_launch(),
     )
 
 
@@ -1316,11 +1400,14 @@ def kernel_moira_attend(
     GROUP_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # Block (row, KV head, j) plans its own work (Alg. 2): it reads the
     # list length n from device memory, cuts the row into chunks of
     # c = _chunk_pages(n) pages and takes chunk j, or exits. All G query
     # heads of the KV head share each K/V tile, so every byte is read once.
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -1401,9 +1488,12 @@ def kernel_moira_merge(
     GROUP_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     TILE_CHUNKS: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # One program per (row, query head): log-sum-exp combine of the row's
     # chunks. Single-chunk rows were written by Attend and exit here.
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     row = tl.program_id(0)
     q_head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
@@ -1525,6 +1615,9 @@ class MoiraWorkspace:
         self.config = config
         self.max_num_seqs = max_num_seqs
         self.max_pages = max_pages
+        #: N_F as Attend uses it: config.attend_fill_blocks, or for 0 the
+        #: blocks this device holds at once.
+        self.attend_fill_blocks = resolve_attend_fill_blocks(config, device)
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -1625,7 +1718,8 @@ def attend(
     ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
     page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
-    The split constants (C, N_J, N_T, N_F) come from ``workspace.config``.
+    The split constants (C, N_J, N_T) come from ``workspace.config``, N_F
+    from ``workspace.attend_fill_blocks``.
     ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
     leaves it in ``workspace.list_pages``; None sums the counts here (one
     reduction on the device, into ``workspace.list_pages``).
@@ -1661,7 +1755,7 @@ def attend(
         scale,
         num_splits,
         config.min_chunk_pages,
-        config.attend_fill_blocks,
+        workspace.attend_fill_blocks,
         query.stride(0),
         query.stride(1),
         kv_cache.stride(0),
@@ -1680,6 +1774,7 @@ def attend(
         num_warps=ATTEND_LAUNCH["num_warps"],
         num_stages=ATTEND_LAUNCH["num_stages"],
         **_register_cap(ATTEND_LAUNCH["maxnreg"]),
+        **_dependent_launch(),
     )
     kernel_moira_merge[(num_rows, num_q_heads)](
         page_count,
@@ -1689,7 +1784,7 @@ def attend(
         output,
         num_splits,
         config.min_chunk_pages,
-        config.attend_fill_blocks,
+        workspace.attend_fill_blocks,
         page_count.stride(0),
         output.stride(0),
         output.stride(1),
@@ -1697,6 +1792,7 @@ def attend(
         HEAD_SIZE=head_size,
         TILE_CHUNKS=_MERGE_TILE_CHUNKS,
         num_warps=4,
+        **_dependent_launch(),
     )
 
 
