@@ -5,7 +5,7 @@ CPU only (matplotlib, Agg backend). Inputs that are missing are skipped with a
 message; every figure that can be drawn is written:
 
   tpot_prmt_h200.json -> docs/img/tpot_speedup.png  (dense / Moira TPOT by shape)
-  tpot_select_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
+  tpot_pdl_h200.json -> docs/img/tpot_batch1.png   (batch 1 TPOT vs context)
   tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
   kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
   serving_h200.json  -> docs/img/serving_throughput.png (output tok/s vs concurrency)
@@ -29,7 +29,7 @@ from benchmarks.bench_tpot import speedup_rows  # noqa: E402  (pure helpers, no 
 #: The latest TPOT run at the five shapes (docs/benchmarks.md, "TPOT").
 TPOT_LATEST = "tpot_prmt_h200.json"
 #: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
-TPOT_BATCH1_LATEST = "tpot_select_h200.json"
+TPOT_BATCH1_LATEST = "tpot_pdl_h200.json"
 BREAKDOWN_PARTS = ("estimate", "select", "attend", "merge", "summaries", "fa3", "gemm", "rest")
 CV_ORDER = {"0": 0, "0.0": 0, "0.5": 1, "1": 2, "1.0": 2, "1.2": 3, "real": 4}
 
