@@ -54,12 +54,12 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 try:  # Hopper grid dependency control (Triton >= 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton: no dependent launches
+except ImportError:  # pragma: no cover - no Triton, or one without it: plain launches
     gdc_launch_dependents = gdc_wait = None
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 # ==========================================================================
 # Constants and configuration
@@ -164,10 +164,13 @@ _DEFAULT_SM_COUNT = 132
 # so that its blocks may be scheduled while the kernel before it finishes;
 # every such kernel first waits (gdc_wait) for the previous kernel's memory.
 # Between kernels of a few microseconds (batch 1, Select's 32 programs) the
-# launch gap is a large part of the step; docs/benchmarks.md, "Launch gaps".
+# launch gap is a large part of the step: 1.5-2 us off a batch-1 step, 1-3 us
+# at 4x131072 and 32x8192 (docs/benchmarks.md, "Launch gaps, and one wave for
+# small steps"). Outputs are bit-for-bit those of plain launches.
 # pdl=False launches every kernel after the previous one has completed.
 # early_trigger: a kernel lets the next one be scheduled as soon as all of
-# its blocks have started (gdc_launch_dependents) instead of as they exit.
+# its blocks have started (gdc_launch_dependents) instead of as they exit;
+# measured no faster at batch 1 and up to 7 us slower at 32x8192.
 DECODE_LAUNCH: dict[str, Any] = {"pdl": True, "early_trigger": False}
 
 
@@ -355,10 +358,10 @@ def _register_cap(maxnreg: int | None) -> dict[str, int]:
 
 
 def _dependent_launch() -> dict[str, Any]:
-    """USE_GDC flag and launch option of a decode-step kernel (DECODE_LAUNCH).
-
-    Off under the interpreter, without Triton's grid dependency control, and
-    off the GPU; the kernels wait for the previous one either way."""
+    """USE_GDC / EARLY_TRIGGER flags and the launch option of a decode-step
+    kernel (DECODE_LAUNCH). Empty (plain launches, where stream order starts
+    each kernel after the previous one) under the interpreter, without
+    Triton's grid dependency control, and off a Hopper GPU."""
     on = (
         bool(DECODE_LAUNCH["pdl"])
         and gdc_wait is not None
@@ -378,7 +381,8 @@ def _wait_for_previous_kernel(USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr
     # previous kernel has finished: wait until its memory is visible before
     # any load or store. EARLY_TRIGGER then lets the next kernel's blocks be
     # scheduled (they wait in turn, so every kernel still sees all earlier
-    # ones complete); otherwise they are as this kernel's blocks exit.
+    # ones complete); otherwise they are scheduled as this kernel's blocks
+    # exit.
     if USE_GDC:
         gdc_wait()
         if EARLY_TRIGGER:
@@ -2402,9 +2406,11 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.moira_config = moira_config_from_env()
         logger.info_once(
             "MOIRA decode: %s (rows with context x decode rows <= %d tokens read every "
-            "page: MOIRA_DENSE_BATCH_TOKENS, 0 = off)",
+            "page: MOIRA_DENSE_BATCH_TOKENS, 0 = off; Attend aims small steps at %d "
+            "blocks: MOIRA_ATTEND_FILL_BLOCKS, 0 = the blocks this GPU holds at once)",
             self.moira_config,
             self.moira_config.dense_batch_tokens,
+            resolve_attend_fill_blocks(self.moira_config, device),
         )
         if kv_cache_spec.block_size % MOIRA_PAGE_SIZE != 0:
             raise ValueError(
