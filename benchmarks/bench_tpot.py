@@ -23,7 +23,8 @@ context grows by the tokens of earlier windows (<= 2% at 8k).
 --breakdown CONTEXTxBATCH adds a window at that shape (first arm's setting)
 profiled with torch.profiler (CUDA activity, kernels inside the graphs): time
 per step by kernel (Moira estimate/select/attend/merge/summaries, GEMM, FA3,
-rest), written under "breakdown". --batch1 adds contexts 2k..64k at batch 1.
+rest; kernels_busy_ms: the union of the kernels' intervals, since dependent
+launches overlap them), written under "breakdown". --batch1 adds contexts 2k..64k at batch 1.
 
     source /opt/vllm030/env.sh
     python benchmarks/bench_tpot.py --model shared/gpu/models/Llama-3.1-8B --backend MOIRA \\
@@ -154,17 +155,34 @@ def classify_kernel(name: str) -> str:
     return "rest"
 
 
-def summarize_kernels(events: list[tuple[str, float]], steps: float) -> dict:
-    """[(kernel name, us)] -> ms per step by category (+ total, top kernels)."""
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (us): GPU time with at
+    least one kernel running, overlapping kernels counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize_kernels(events: list[tuple], steps: float) -> dict:
+    """[(kernel name, us[, start us])] -> ms per step by category (+ total, top
+    kernels). With start times also kernels_busy_ms, the union of the kernels'
+    intervals: under dependent launches (Moira's decode kernels) a kernel's
+    blocks start while the previous kernel finishes, so durations overlap and
+    their sum overstates the GPU time."""
     cats: dict[str, float] = {}
     by_name: dict[str, float] = {}
-    for name, us in events:
+    for name, us, *_ in events:
         cat = classify_kernel(name)
         cats[cat] = cats.get(cat, 0.0) + us
         by_name[name] = by_name.get(name, 0.0) + us
     steps = max(steps, 1e-9)
     out = {f"{c}_ms": v / 1e3 / steps for c, v in sorted(cats.items())}
     out["kernels_total_ms"] = sum(cats.values()) / 1e3 / steps
+    if events and all(len(e) >= 3 for e in events):
+        out["kernels_busy_ms"] = busy_us([(e[2], e[2] + e[1]) for e in events]) / 1e3 / steps
     if "estimate" in cats or "select" in cats:
         out["estimate_select_ms"] = (cats.get("estimate", 0) + cats.get("select", 0)) / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
@@ -415,13 +433,15 @@ def compare_greedy(dense: dict, moira: dict) -> dict:
     return {"prompts": out, "all_equal": all(p["equal"] for p in out) and bool(out)}
 
 
-def kernel_events(prof) -> list[tuple[str, float]]:
+def kernel_events(prof) -> list[tuple[str, float, float]]:
+    """(name, duration us, start us) of every CUDA kernel the profiler saw."""
     from torch.autograd import DeviceType
 
     out = []
     for evt in prof.events():
         if getattr(evt, "device_type", None) == DeviceType.CUDA:
-            out.append((evt.name, float(evt.time_range.elapsed_us())))
+            span = evt.time_range
+            out.append((evt.name, float(span.elapsed_us()), float(span.start)))
     return out
 
 

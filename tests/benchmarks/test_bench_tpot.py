@@ -70,6 +70,18 @@ def test_classify_and_summarize_kernels():
     assert s["rest_ms"] == pytest.approx(70 * 64 / 1e3 / 2)
 
 
+def test_busy_time_counts_overlapping_kernels_once():
+    assert bt.busy_us([(0.0, 10.0), (5.0, 12.0), (20.0, 25.0), (21.0, 22.0)]) == 17.0
+    assert bt.busy_us([]) == 0.0
+    # Two kernels of 10 us, the second starting 4 us before the first ends
+    # (a dependent launch): 20 us of durations, 16 us busy.
+    s = bt.summarize_kernels([("kernel_moira_select", 10.0, 0.0),
+                              ("kernel_moira_attend", 10.0, 6.0)], steps=1)  # fmt: skip
+    assert s["kernels_total_ms"] == pytest.approx(0.020)
+    assert s["kernels_busy_ms"] == pytest.approx(0.016)
+    assert "kernels_busy_ms" not in bt.summarize_kernels([("x", 1.0)], steps=1)
+
+
 def _row(**kw):
     row = {"model": "Llama-3.1-8B", "batch": 4, "context": 130048, "arm": "moira",
            "selector": "coverage", "gamma": 0.98, "reads": 0.15, "tpot_ms": 7.3, "steps": 63,
