@@ -433,6 +433,13 @@ def compare_greedy(dense: dict, moira: dict) -> dict:
     return {"prompts": out, "all_equal": all(p["equal"] for p in out) and bool(out)}
 
 
+def profiled_steps(events: list[tuple], num_layers: int, step_calls: int) -> float:
+    """Decode steps in a profiled window: Moira's Select runs once per layer
+    and step; without it (dense) the engine steps that were called."""
+    n_select = sum(1 for name, *_ in events if "kernel_moira_select" in name)
+    return n_select / num_layers if n_select else float(step_calls)
+
+
 def kernel_events(prof) -> list[tuple[str, float, float]]:
     """(name, duration us, start us) of every CUDA kernel the profiler saw."""
     from torch.autograd import DeviceType
@@ -498,8 +505,7 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
             try:
                 prof.stop()
                 events = kernel_events(prof)
-                n_select = sum(1 for n, _ in events if "kernel_moira_select" in n)
-                steps = n_select / ctx["num_layers"] if n_select else float(prof_calls)
+                steps = profiled_steps(events, ctx["num_layers"], prof_calls)
                 b = {"model": ctx["model"], "backend": a.backend, "batch": batch,
                      "context": context, "selector": w["selector"], "gamma": w["gamma"],
                      "profiled_steps": steps, "step_calls": prof_calls,

@@ -82,6 +82,13 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert "kernels_busy_ms" not in bt.summarize_kernels([("x", 1.0)], steps=1)
 
 
+def test_profiled_steps_count_select_launches_per_layer():
+    # Events as kernel_events() returns them: (name, duration us, start us).
+    events = [("kernel_moira_select", 3.0, float(t)) for t in range(64)] + [("gemm", 9.0, 0.0)]
+    assert bt.profiled_steps(events, num_layers=32, step_calls=5) == 2.0
+    assert bt.profiled_steps([("gemm", 9.0, 0.0)], num_layers=32, step_calls=5) == 5.0
+
+
 def _row(**kw):
     row = {"model": "Llama-3.1-8B", "batch": 4, "context": 130048, "arm": "moira",
            "selector": "coverage", "gamma": 0.98, "reads": 0.15, "tpot_ms": 7.3, "steps": 63,
