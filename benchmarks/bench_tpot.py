@@ -166,6 +166,37 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+#: Kernel categories of the attention layers (with vLLM's KV scatter): the
+#: part of a step where the two backends differ.
+ATTENTION_CATEGORIES = frozenset(MOIRA_KERNELS.values()) | {"fa3"}
+
+
+def is_attention_kernel(name: str) -> bool:
+    return classify_kernel(name) in ATTENTION_CATEGORIES or "reshape_and_cache" in name
+
+
+def attention_wall_us(events: list[tuple]) -> float:
+    """Wall time of the attention layers (us): for every run of consecutive
+    attention kernels (by start time), from the end of the kernel before it
+    to the start of the kernel after it, so the idle gaps around and inside
+    the run (launches waiting on the previous kernel) count with it. Events
+    are (name, duration us, start us)."""
+    order = sorted(events, key=lambda e: e[2])
+    total, i = 0.0, 0
+    while i < len(order):
+        if not is_attention_kernel(order[i][0]):
+            i += 1
+            continue
+        j = i
+        while j < len(order) and is_attention_kernel(order[j][0]):
+            j += 1
+        before = max((e[2] + e[1] for e in order[:i]), default=order[i][2])
+        after = order[j][2] if j < len(order) else max(e[2] + e[1] for e in order[i:j])
+        total += after - before
+        i = j
+    return total
+
+
 def summarize_kernels(events: list[tuple], steps: float) -> dict:
     """[(kernel name, us[, start us])] -> ms per step by category (+ total, top
     kernels). With start times also kernels_busy_ms, the union of the kernels'
@@ -183,6 +214,9 @@ def summarize_kernels(events: list[tuple], steps: float) -> dict:
     out["kernels_total_ms"] = sum(cats.values()) / 1e3 / steps
     if events and all(len(e) >= 3 for e in events):
         out["kernels_busy_ms"] = busy_us([(e[2], e[2] + e[1]) for e in events]) / 1e3 / steps
+        attention = [(e[2], e[2] + e[1]) for e in events if is_attention_kernel(e[0])]
+        out["attention_busy_ms"] = busy_us(attention) / 1e3 / steps
+        out["attention_wall_ms"] = attention_wall_us(events) / 1e3 / steps
     if "estimate" in cats or "select" in cats:
         out["estimate_select_ms"] = (cats.get("estimate", 0) + cats.get("select", 0)) / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]

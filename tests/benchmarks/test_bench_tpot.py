@@ -82,6 +82,21 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert "kernels_busy_ms" not in bt.summarize_kernels([("x", 1.0)], steps=1)
 
 
+def test_attention_wall_time_counts_the_gaps_around_attention_kernels():
+    # gemm [0, 10), attention kernels [12, 15) and [16, 20), gemm [23, 30),
+    # reshape_and_cache [31, 32), FA3 [32, 35), nothing after.
+    events = [("nvjet_gemm", 10.0, 0.0), ("kernel_moira_estimate", 3.0, 12.0),
+              ("kernel_moira_attend", 4.0, 16.0), ("nvjet_gemm", 7.0, 23.0),
+              ("reshape_and_cache_flash_kernel", 1.0, 31.0), ("FlashAttnFwdSm90", 3.0, 32.0)]  # fmt: skip
+    # First run: from the gemm's end (10) to the next gemm's start (23) = 13;
+    # second: from 30 to its own end (35) = 5.
+    assert bt.attention_wall_us(events) == pytest.approx(18.0)
+    s = bt.summarize_kernels(events, steps=1)
+    assert s["attention_busy_ms"] == pytest.approx(0.011)
+    assert s["attention_wall_ms"] == pytest.approx(0.018)
+    assert bt.attention_wall_us([("nvjet_gemm", 1.0, 0.0)]) == 0.0
+
+
 def test_profiled_steps_count_select_launches_per_layer():
     # Events as kernel_events() returns them: (name, duration us, start us).
     events = [("kernel_moira_select", 3.0, float(t)) for t in range(64)] + [("gemm", 9.0, 0.0)]
