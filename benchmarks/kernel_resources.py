@@ -1,0 +1,271 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Registers, spills and shared memory of Moira's decode-step kernels,
+compiled for sm_90 on a machine without a GPU.
+
+The decode step's kernels are launched through their real launchers
+(``write_page_summaries`` and ``moira_decode``) on CPU tensors of the shape
+asked for, with every ``kernel_moira_*[grid](...)`` call intercepted: nothing
+runs, but each launch's arguments, constexprs and launch options are those of
+the real step. Each captured launch is compiled by Triton for an H100/H200
+(``GPUTarget("cuda", 90, 32)``) with Triton's own argument specialization
+(pointers and integers divisible by 16, integers equal to 1) and dependent
+launches on, and ``cuobjdump --dump-resource-usage`` (shipped with Triton)
+reads the cubin. Blocks per SM follow from the registers, warps and shared
+memory (65,536 registers and 228 KB per SM, 1 KB reserved per block).
+
+What it is for: checking how a kernel change moves registers and occupancy
+before spending GPU time on it (the Merge-inside-Attend variant of
+docs/benchmarks.md, "Batch 1 in vLLM", took Attend from 148 to 114
+registers). The numbers depend on the Triton version: the H200 host runs
+Triton 3.6; to match it here,
+
+    pip install triton==3.6.0 --no-deps --target /tmp/triton36
+    python benchmarks/kernel_resources.py --triton-path /tmp/triton36
+
+At 4x131072, Llama-3.1-8B geometry, Triton 3.6 gives Attend 148 registers
+(Nsight Compute on the H200: 148, 3 blocks per SM), the same as the H200's
+own compile.
+
+    python benchmarks/kernel_resources.py [--rows 4] [--context 131072]
+        [--estimator mvar_top8] [--summary-dtype int8] [--src DIR] [--json OUT]
+
+``--src DIR`` imports ``vllm_moira`` from DIR instead of this checkout (a
+copy with a variant applied, to compare against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: The decode step's kernels, in launch order.
+KERNEL_NAMES = (
+    "kernel_moira_write_summaries",
+    "kernel_moira_estimate",
+    "kernel_moira_select",
+    "kernel_moira_attend",
+    "kernel_moira_merge",
+)
+#: Launch options of Triton's launcher, not kernel arguments.
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
+#: Per SM on sm_90 (H100 / H200).
+SM_REGISTERS = 65536
+SM_SHARED_BYTES = 228 * 1024
+SM_MAX_BLOCKS = 32
+BLOCK_RESERVED_SHARED = 1024
+
+_TORCH_TO_TRITON = {
+    "torch.bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "torch.float32": "fp32",
+    "torch.int8": "i8",
+    "torch.int32": "i32",
+    "torch.int64": "i64",
+}
+
+
+def _import_moira(src: str | None, triton_path: str | None):
+    # An empty CUDA_VISIBLE_DEVICES makes vLLM keep Triton without a driver
+    # (its "distributed environment" rule) instead of a placeholder module.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.pop("TRITON_INTERPRET", None)
+    if triton_path:
+        sys.path.insert(0, triton_path)
+    sys.path.insert(0, src or str(Path(__file__).resolve().parents[1]))
+    from vllm_moira.v1.attention.backends import moira
+
+    return moira
+
+
+@contextlib.contextmanager
+def captured_launches(moira):
+    """Replace each kernel in ``moira`` by a stand-in whose ``[grid](...)``
+    records (kernel, grid, args, kwargs) instead of launching."""
+    launches: list[tuple[Any, tuple, tuple, dict]] = []
+
+    class _Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def record(*args, **kwargs):
+                launches.append((self.fn, tuple(grid), args, kwargs))
+
+            return record
+
+    originals = {name: getattr(moira, name) for name in KERNEL_NAMES}
+    dependent = moira._dependent_launch
+    try:
+        for name, fn in originals.items():
+            setattr(moira, name, _Recorder(fn))
+        # As on the H200: every kernel waits on the previous one (gdc_wait).
+        moira._dependent_launch = lambda: {"USE_GDC": True, "EARLY_TRIGGER": False}
+        yield launches
+    finally:
+        for name, fn in originals.items():
+            setattr(moira, name, fn)
+        moira._dependent_launch = dependent
+
+
+def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
+                         num_q_heads: int = 32, num_kv_heads: int = 8,
+                         head_size: int = 128) -> list:  # fmt: skip
+    """The launches of one decode layer (summary writer, Estimate, Select,
+    Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
+    the kernels' specialization allows (a few KV blocks): only shapes the
+    launchers read reach the constexprs."""
+    import torch
+
+    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype)
+    max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
+    num_blocks = 16
+    kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
+                     dtype=torch.bfloat16)  # fmt: skip
+    dtype, summary_rows = moira.summary_storage(config.summary_slots, summary_dtype)
+    summaries = torch.zeros(num_blocks, num_kv_heads, summary_rows, head_size, dtype=dtype)
+    table = torch.zeros(rows, max_pages, dtype=torch.int32)
+    seq = torch.full((rows,), context, dtype=torch.int32)
+    query = torch.zeros(rows, num_q_heads, head_size, dtype=torch.bfloat16)
+    out = torch.zeros_like(query)
+    slots = torch.zeros(rows, dtype=torch.int64)
+    ws = moira.MoiraWorkspace(rows, num_q_heads, num_kv_heads, head_size, max_pages, config,
+                              "cpu")  # fmt: skip
+    with captured_launches(moira) as launches:
+        moira.write_page_summaries(kv, summaries, slots)
+        moira.moira_decode(query, kv, summaries, table, seq, out, ws, head_size**-0.5)
+    return launches
+
+
+def compile_signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attributes, options) of one launch, specialized
+    as Triton's launcher would: tensors by dtype, 16-byte-aligned pointers and
+    integers divisible by 16 marked so, integers equal to 1 constant."""
+    import torch
+
+    options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+    values = dict(zip((p.name for p in fn.params), args))
+    values.update({k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = values.get(param.name, param.default)
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TORCH_TO_TRITON[str(value.dtype)]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and not param.do_not_specialize:
+                signature[param.name] = "constexpr"
+                constexprs[param.name] = 1
+                continue
+            signature[param.name] = param.annotation or ("i32" if abs(value) < 2**31 else "i64")
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {param.name}={value!r}")
+    return signature, constexprs, attrs, options
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG / STACK / SHARED / LOCAL of a one-kernel cubin (cuobjdump)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([str(tool), "--dump-resource-usage", str(path)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    if "REG" not in fields:
+        raise RuntimeError(f"no resource usage in cuobjdump's output:\n{text}")
+    return {k.lower(): int(v) for k, v in fields.items()}
+
+
+def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Resident blocks per SM allowed by registers (allocated per warp in
+    units of 256, i.e. 8 per thread) and shared memory."""
+    regs_per_warp = -(-registers // 8) * 8 * 32
+    by_regs = SM_REGISTERS // (regs_per_warp * num_warps)
+    by_shared = SM_SHARED_BYTES // (shared_bytes + BLOCK_RESERVED_SHARED)
+    return max(0, min(by_regs, by_shared, SM_MAX_BLOCKS))
+
+
+def kernel_resources(launches: list) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rows = []
+    for fn, grid, args, kwargs in launches:
+        signature, constexprs, attrs, options = compile_signature(fn, args, kwargs)
+        options.setdefault("num_warps", 4)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+        usage = resource_usage(compiled.asm["cubin"])
+        shared = int(compiled.metadata.shared)
+        rows.append({
+            "kernel": fn.__name__,
+            "grid": list(grid),
+            "num_warps": options["num_warps"],
+            "maxnreg": options.get("maxnreg"),
+            "registers": usage["reg"],
+            "spill_bytes": usage.get("local", 0),
+            "stack_bytes": usage.get("stack", 0),
+            "shared_bytes": shared,
+            "blocks_per_sm": blocks_per_sm(usage["reg"], options["num_warps"], shared),
+        })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--estimator", default=None, help="default: the backend's")
+    ap.add_argument("--summary-dtype", default=None, help="default: the backend's")
+    ap.add_argument("--src", default=None, help="import vllm_moira from this directory")
+    ap.add_argument("--triton-path", default=None, help="a directory holding another Triton")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    moira = _import_moira(a.src, a.triton_path)
+    import triton
+
+    estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
+    summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
+    launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype)
+    rows = kernel_resources(launches)
+    for r in rows:
+        print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
+              f"spills {r['spill_bytes']:4d} B  shared {r['shared_bytes']:6d} B  "
+              f"blocks/SM {r['blocks_per_sm']}")  # fmt: skip
+    if a.json:
+        record = {
+            "command": "python benchmarks/kernel_resources.py " + " ".join(argv or sys.argv[1:]),
+            "triton": triton.__version__,
+            "target": "cuda sm_90",
+            "shape": f"{a.rows}x{a.context}",
+            "estimator": estimator,
+            "summary_dtype": summary_dtype,
+            "rows": rows,
+        }
+        Path(a.json).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""benchmarks/kernel_resources.py: the decode step's kernels compiled for
+sm_90 without a GPU (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from _load import ROOT, load
+
+kr = load("kernel_resources")
+
+
+def test_blocks_per_sm_from_registers_warps_and_shared_memory():
+    # Attend on the H200 (Nsight Compute): 148 registers, 4 warps, 38.9 KB.
+    assert kr.blocks_per_sm(148, 4, 38916) == 3
+    # Registers are allocated 8 per thread at a time: 114 -> 120 -> 4 blocks.
+    assert kr.blocks_per_sm(114, 4, 38916) == 4
+    # Estimate under its 128-register cap: 2 warps, 16 KB -> 8 blocks.
+    assert kr.blocks_per_sm(128, 2, 16384) == 8
+    # Shared memory bounds it (1 KB reserved per block), and so does the
+    # 32-block limit.
+    assert kr.blocks_per_sm(32, 1, 100 * 1024) == 2
+    assert kr.blocks_per_sm(16, 1, 0) == 32
+
+
+def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The real launchers' five launches (writer, Estimate, Select, Attend,
+    Merge) are captured, compiled for sm_90 and read back with cuobjdump. A
+    subprocess: the tests' own import runs Triton in interpreter mode."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "benchmarks/kernel_resources.py", "--rows", "2", "--context", "4096",
+           "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    record = json.loads(out.read_text())
+    assert record["target"] == "cuda sm_90" and record["shape"] == "2x4096"
+    kernels = [row["kernel"] for row in record["rows"]]
+    assert kernels == list(kr.KERNEL_NAMES)
+    by_name = {row["kernel"]: row for row in record["rows"]}
+    for row in record["rows"]:
+        assert 16 <= row["registers"] <= 255 and row["blocks_per_sm"] >= 1, row
+    # Launch options reach the compile: Estimate's warps and register cap.
+    estimate = by_name["kernel_moira_estimate"]
+    assert estimate["maxnreg"] == 128 and estimate["registers"] <= 128
+    assert estimate["num_warps"] == 2
+    # Attend's grid is the launcher's (rows, KV heads, J).
+    assert by_name["kernel_moira_attend"]["grid"][:2] == [2, 8]
