@@ -23,8 +23,10 @@ context grows by the tokens of earlier windows (<= 2% at 8k).
 --breakdown CONTEXTxBATCH adds a window at that shape (first arm's setting)
 profiled with torch.profiler (CUDA activity, kernels inside the graphs): time
 per step by kernel (Moira estimate/select/attend/merge/summaries, GEMM, FA3,
-rest; kernels_busy_ms: the union of the kernels' intervals, since dependent
-launches overlap them), written under "breakdown". --batch1 adds contexts 2k..64k at batch 1.
+rest; kernels_busy_ms: the union of the kernels' intervals, in case dependent
+launches overlap them; attention_busy_ms / attention_wall_ms: the attention
+layers' kernels alone, and their runs with the idle gaps around them), written
+under "breakdown". --batch1 adds contexts 2k..64k at batch 1.
 
     source /opt/vllm030/env.sh
     python benchmarks/bench_tpot.py --model shared/gpu/models/Llama-3.1-8B --backend MOIRA \\
