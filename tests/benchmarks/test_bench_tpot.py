@@ -85,9 +85,14 @@ def test_busy_time_counts_overlapping_kernels_once():
 def test_attention_wall_time_counts_the_gaps_around_attention_kernels():
     # gemm [0, 10), attention kernels [12, 15) and [16, 20), gemm [23, 30),
     # reshape_and_cache [31, 32), FA3 [32, 35), nothing after.
-    events = [("nvjet_gemm", 10.0, 0.0), ("kernel_moira_estimate", 3.0, 12.0),
-              ("kernel_moira_attend", 4.0, 16.0), ("nvjet_gemm", 7.0, 23.0),
-              ("reshape_and_cache_flash_kernel", 1.0, 31.0), ("FlashAttnFwdSm90", 3.0, 32.0)]  # fmt: skip
+    events = [
+        ("nvjet_gemm", 10.0, 0.0),
+        ("kernel_moira_estimate", 3.0, 12.0),
+        ("kernel_moira_attend", 4.0, 16.0),
+        ("nvjet_gemm", 7.0, 23.0),
+        ("reshape_and_cache_flash_kernel", 1.0, 31.0),
+        ("FlashAttnFwdSm90", 3.0, 32.0),
+    ]
     # First run: from the gemm's end (10) to the next gemm's start (23) = 13;
     # second: from 30 to its own end (35) = 5.
     assert bt.attention_wall_us(events) == pytest.approx(18.0)
