@@ -10,7 +10,7 @@ the real step. Each captured launch is compiled by Triton for an H100/H200
 (``GPUTarget("cuda", 90, 32)``) with Triton's own argument specialization
 (pointers and integers divisible by 16, integers equal to 1) and dependent
 launches on, and ``cuobjdump --dump-resource-usage`` (shipped with Triton)
-reads the cubin. Blocks per SM follow from the registers, warps and shared
+reads the cubin (and its SASS, for GPU-wide fences). Blocks per SM follow from the registers, warps and shared
 memory (65,536 registers and 228 KB per SM, 1 KB reserved per block).
 
 What it is for: checking how a kernel change moves registers and occupancy
@@ -181,7 +181,9 @@ def compile_signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, 
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of a one-kernel cubin (cuobjdump)."""
+    """REG / STACK / SHARED / LOCAL of a one-kernel cubin (cuobjdump), and
+    ``membar``: its GPU-wide memory fences (MEMBAR instructions in the SASS,
+    which an acquire-release atomic brings with it)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -190,10 +192,14 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
         path.write_bytes(cubin)
         text = subprocess.run([str(tool), "--dump-resource-usage", str(path)],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        sass = subprocess.run([str(tool), "-sass", str(path)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
     if "REG" not in fields:
         raise RuntimeError(f"no resource usage in cuobjdump's output:\n{text}")
-    return {k.lower(): int(v) for k, v in fields.items()}
+    usage = {k.lower(): int(v) for k, v in fields.items()}
+    usage["membar"] = len(re.findall(r"\bMEMBAR\b", sass))
+    return usage
 
 
 def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
@@ -228,6 +234,7 @@ def kernel_resources(launches: list) -> list[dict]:
             "stack_bytes": usage.get("stack", 0),
             "shared_bytes": shared,
             "blocks_per_sm": blocks_per_sm(usage["reg"], options["num_warps"], shared),
+            "gpu_fences": usage["membar"],
         })  # fmt: skip
     return rows
 
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
               f"spills {r['spill_bytes']:4d} B  shared {r['shared_bytes']:6d} B  "
-              f"blocks/SM {r['blocks_per_sm']}")  # fmt: skip
+              f"blocks/SM {r['blocks_per_sm']:2d}  GPU fences {r['gpu_fences']}")  # fmt: skip
     if a.json:
         record = {
             "command": "python benchmarks/kernel_resources.py " + " ".join(argv or sys.argv[1:]),

@@ -1011,6 +1011,23 @@ def _kept_share(
 
 
 @triton.jit
+def _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGES: tl.constexpr):
+    # Adds one (row, KV head)'s list to the running totals: pages kept and
+    # pages in the rows (the read fraction, read by the host only outside the
+    # decode step), and the step's list pages (Attend's chunk size). Plain
+    # integer counters: nothing in this kernel reads them, and the kernels
+    # that do run after it has completed (or, dependent, after gdc_wait), so
+    # relaxed atomics suffice. Triton's default (acq_rel) put a GPU-wide fence
+    # (MEMBAR.ALL.GPU) before each of the three, at the end of Select's
+    # critical path, waiting for the list's stores.
+    tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64), sem="relaxed")  # type: ignore[attr-defined]
+    tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64), sem="relaxed")
+    if HAS_LIST_PAGES:
+        # Integer sum: the same in any order.
+        tl.atomic_add(list_pages_ptr, n_kept, sem="relaxed")
+
+
+@triton.jit
 def _select_row(
     lm,  # this row's log-masses: [GROUP_SIZE, pages] at stride stride_lm_group
     pib_ptr,  # this row's pibar scratch (used when NUM_TILES > 1)
@@ -1190,13 +1207,7 @@ def _select_row(
         tl.store(out + n_kept, last)
         n_kept += 1
     tl.store(count_ptr, n_kept)
-    # Running totals for the read fraction (metrics, benchmarks): one atomic
-    # per (row, KV head), read by the host only outside the decode step.
-    tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64))  # type: ignore[attr-defined]
-    tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
-    if HAS_LIST_PAGES:
-        # The step's total for Attend's chunk size (integer: order-free).
-        tl.atomic_add(list_pages_ptr, n_kept)
+    _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGES)
 
 
 @triton.jit
@@ -1263,10 +1274,7 @@ def kernel_moira_select(
             pages = start + tl.arange(0, SHORT_TILE_PAGES)
             tl.store(out + pages, pages, mask=pages < num_pages)
         tl.store(count_ptr, num_pages)
-        tl.atomic_add(read_stats_ptr, num_pages.to(tl.int64))  # type: ignore[attr-defined]
-        tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64))
-        if HAS_LIST_PAGES:
-            tl.atomic_add(list_pages_ptr, num_pages)
+        _count_list(read_stats_ptr, list_pages_ptr, num_pages, num_pages, HAS_LIST_PAGES)
         return
     if SHORT_TILE_PAGES < TILE_PAGES:
         if num_pages < SHORT_TILE_PAGES:
