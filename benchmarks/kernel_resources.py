@@ -10,8 +10,9 @@ the real step. Each captured launch is compiled by Triton for an H100/H200
 (``GPUTarget("cuda", 90, 32)``) with Triton's own argument specialization
 (pointers and integers divisible by 16, integers equal to 1) and dependent
 launches on, and ``cuobjdump --dump-resource-usage`` (shipped with Triton)
-reads the cubin (and its SASS, for GPU-wide fences). Blocks per SM follow from the registers, warps and shared
-memory (65,536 registers and 228 KB per SM, 1 KB reserved per block).
+reads the cubin (and its SASS, for GPU-wide fences). Blocks per SM follow
+from the registers, warps and shared memory (65,536 registers and 228 KB per
+SM, 1 KB reserved per block).
 
 What it is for: checking how a kernel change moves registers and occupancy
 before spending GPU time on it (the Merge-inside-Attend variant of
