@@ -185,16 +185,20 @@ def attention_wall_us(events: list[tuple]) -> float:
     are (name, duration us, start us)."""
     order = sorted(events, key=lambda e: e[2])
     total, i = 0.0, 0
+    reach = None  # latest end among the kernels before order[i]
     while i < len(order):
-        if not is_attention_kernel(order[i][0]):
+        name, us, start = order[i][:3]
+        if not is_attention_kernel(name):
+            reach = start + us if reach is None else max(reach, start + us)
             i += 1
             continue
-        j = i
+        run_end, j = start, i
         while j < len(order) and is_attention_kernel(order[j][0]):
+            run_end = max(run_end, order[j][2] + order[j][1])
             j += 1
-        before = max((e[2] + e[1] for e in order[:i]), default=order[i][2])
-        after = order[j][2] if j < len(order) else max(e[2] + e[1] for e in order[i:j])
-        total += after - before
+        before = start if reach is None else reach
+        total += (order[j][2] if j < len(order) else run_end) - before
+        reach = run_end if reach is None else max(reach, run_end)
         i = j
     return total
 

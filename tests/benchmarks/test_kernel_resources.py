@@ -35,7 +35,8 @@ def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "benchmarks/kernel_resources.py", "--rows", "2", "--context", "4096",
            "--json", str(out)]  # fmt: skip
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["target"] == "cuda sm_90" and record["shape"] == "2x4096"
     kernels = [row["kernel"] for row in record["rows"]]
