@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -140,8 +141,14 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     ws = moira.MoiraWorkspace(rows, num_q_heads, num_kv_heads, head_size, max_pages, config,
                               "cpu")  # fmt: skip
     with captured_launches(moira) as launches:
+        # The writer runs on prefill tokens; in the decode step Estimate writes
+        # the pages that filled (write_filled_pages, as the backend calls it).
         moira.write_page_summaries(kv, summaries, slots)
-        moira.moira_decode(query, kv, summaries, table, seq, out, ws, head_size**-0.5)
+        # (--src trees from before it have no such option.)
+        decode_options = ({"write_filled_pages": True} if "write_filled_pages"
+                          in inspect.signature(moira.moira_decode).parameters else {})  # fmt: skip
+        moira.moira_decode(query, kv, summaries, table, seq, out, ws, head_size**-0.5,
+                           **decode_options)
     return launches
 
 
@@ -183,7 +190,7 @@ def compile_signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """REG / STACK / SHARED / LOCAL of a one-kernel cubin (cuobjdump), and
-    ``membar``: its GPU-wide memory fences (MEMBAR instructions in the SASS,
+    ``membar``: its GPU-wide memory fences (MEMBAR.*.GPU / .SYS in the SASS,
     which an acquire-release atomic brings with it)."""
     import triton
 
@@ -199,7 +206,9 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     if "REG" not in fields:
         raise RuntimeError(f"no resource usage in cuobjdump's output:\n{text}")
     usage = {k.lower(): int(v) for k, v in fields.items()}
-    usage["membar"] = len(re.findall(r"\bMEMBAR\b", sass))
+    # GPU- or system-scope only: MEMBAR.ALL.CTA (with FENCE.VIEW.ASYNC, before
+    # warpgroup MMAs read shared memory) orders the block's own accesses.
+    usage["membar"] = len(re.findall(r"\bMEMBAR\.[A-Z.]*\b(?:GPU|SYS)\b", sass))
     return usage
 
 

@@ -134,6 +134,7 @@ def main():
     def select(lanes, passes, warps):
         moira.kernel_moira_select[(batch, hkv)](
             ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.read_stats,
+            ws.page_count,  # list_pages: unwritten (HAS_LIST_PAGES is False)
             ws.selector_params, ws.row_gamma,
             ws.logmass.stride(0), ws.logmass.stride(1), ws.logmass.stride(2),
             ws.pibar.stride(0), ws.pibar.stride(1), ws.page_list.stride(0),
@@ -144,7 +145,7 @@ def main():
         )  # fmt: skip
 
     rows["select"] = []
-    for lanes, passes in ((4, 12), (4, 6), (4, 1), (4, 0), (1, 24), (1, 0)):
+    for lanes, passes in ((8, 8), (8, 4), (8, 1), (8, 0), (4, 12), (1, 24), (1, 0)):
         for warps in (4, 8, 16):
             us = graph_time_us(lambda: select(lanes, passes, warps))  # noqa: B023
             rows["select"].append({"lanes": lanes, "passes": passes, "warps": warps, "us": us})

@@ -477,9 +477,14 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
 
     calls = {}
 
-    def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale):
+    def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale,
+                    write_filled_pages=False):  # fmt: skip
         calls["decode"] = (query.shape, summaries.shape, block_table, seq_lens, workspace)
+        calls["decode_writes_summaries"] = write_filled_pages
         output.fill_(1)
+
+    def fake_writer(kv_cache, summaries, slot_mapping):
+        calls.setdefault("writer", []).append(slot_mapping)
 
     def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
         calls["fa"] = (query.shape, key.shape, attn_metadata)
@@ -487,6 +492,7 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
         return output
 
     monkeypatch.setattr(mod, "moira_decode", fake_decode)
+    monkeypatch.setattr(mod, "write_page_summaries", fake_writer)
     monkeypatch.setattr(FlashAttentionImpl, "forward", fake_fa)
     kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
     impl.bind_kv_cache_extras(None, kv_cache)
@@ -508,6 +514,32 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
     assert tuple(fq) == (12, 4, 64) and tuple(fk) == (12, 2, 64)
     assert fmd is md.prefill
     assert out[:3].eq(1).all() and out[3:].eq(2).all()
+    # Summaries: Estimate writes the decode rows' filled pages; the writer
+    # kernel runs once, on the prefill tokens' slots only.
+    assert calls["decode_writes_summaries"] is True
+    assert len(calls["writer"]) == 1 and calls["writer"][0] is md.prefill.slot_mapping
+    assert calls["writer"][0].tolist() == list(range(1003, 1015))
+
+
+def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):
+    # A pure decode step (the FULL-graph case): the summaries of the pages
+    # that filled are Estimate's job, so the writer kernel is not launched.
+    from vllm.config import set_current_vllm_config
+
+    mod = moira_module()
+    md = builder.build(0, _cam([1, 1], [64, 130]))
+    with set_current_vllm_config(builder.vllm_config):
+        impl = mod.MoiraImpl(**_IMPL_ARGS)
+    seen = {}
+    monkeypatch.setattr(mod, "moira_decode",
+                        lambda *a, write_filled_pages=False: seen.update(decode=write_filled_pages))
+    monkeypatch.setattr(mod, "write_page_summaries", lambda *a: seen.update(writer=True))
+    kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
+    impl.bind_kv_cache_extras(None, kv_cache)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    impl.forward(None, q, q, q, kv_cache, md, torch.zeros_like(q))
+    impl.release_kv_cache_extras(None)
+    assert seen == {"decode": True}
 
 
 def test_forward_profiling_run_fills_zero(builder):

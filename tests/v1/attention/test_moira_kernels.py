@@ -69,9 +69,76 @@ def test_write_summaries_matches_reference(layout, head_size):
     assert torch.isnan(untouched.float()).all(), "pages that did not fill were written"
 
 
+@pytest.mark.parametrize(
+    ("estimator", "summary_dtype"),
+    [("mvar", "bfloat16"), ("mvar_top4", "bfloat16"), (DEFAULT_ESTIMATOR, "int8")],
+)
+@pytest.mark.parametrize("dense", [False, True])
+def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
+    # The decode step's summary write, inside Estimate: rows whose new token
+    # is their page's 64th (a one-page row, whose page z = 0 handles, and a
+    # 4-page row) get that page summarized exactly as write_page_summaries
+    # does (same bits); every other page and row is left alone. Dense rows
+    # (no estimate) still get it.
+    seq_lens = [64, 4 * PAGE, 3 * PAGE + 5, 130]
+    kv, summaries, table, seq, query = make_decode_batch(
+        seq_lens, 2, 2, 64, "token_major", estimator, summary_dtype=summary_dtype
+    )
+    expected = summaries.clone()  # every full page summarized by the writer
+    filled = [int(table[0, 0]), int(table[1, 3])]
+    sentinel = 99 if summaries.dtype == torch.int8 else float("nan")
+    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype,
+                               dense_batch_tokens=4096 if dense else 0)  # fmt: skip
+    ws = moira.MoiraWorkspace(4, 4, 2, 64, table.shape[1], config, "cpu")
+    num_slots, scales = moira._summary_layout(summaries)  # int8: the scales row's fp32 view
+    logmass = {}
+    for write in (False, True):
+        # What the writer stores: the slot rows, and for int8 their scales.
+        summaries[filled, :, :num_slots] = sentinel
+        if summaries.dtype == torch.int8:
+            scales[filled] = float("nan")
+        moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
+                                    estimator, ws.selector_params,
+                                    write_filled_pages=write)  # fmt: skip
+        logmass[write] = ws.logmass.clone()
+        others = [b for b in range(summaries.shape[0]) if b not in filled]
+        assert torch.equal(summaries[others], expected[others])
+        if not write:
+            written = summaries[filled, :, :num_slots]
+            assert torch.equal(written, torch.full_like(written, sentinel)) \
+                or torch.isnan(written.float()).all()
+    assert torch.equal(summaries, expected)  # bit for bit, the filled pages included
+    torch.testing.assert_close(logmass[True], logmass[False], rtol=0, atol=0, equal_nan=True)
+
+
+def test_verify_page_summaries_finds_wrong_and_missing_pages():
+    seq_lens = [3 * PAGE, 2 * PAGE + 9]
+    kv, summaries, table, _, _ = make_decode_batch(seq_lens, 2, 2, 64, "token_major",
+                                                   "mvar")  # fmt: skip
+    assert moira.verify_page_summaries(kv, summaries) == (5, 0)  # 3 + 2 full pages
+    wrong = summaries.clone()
+    wrong[int(table[0, 1]), 1, 0, 5] += 1.0  # one channel of one KV head's mean
+    assert moira.verify_page_summaries(kv, wrong) == (5, 1)
+    missing = summaries.clone()
+    missing[int(table[1, 0])] = 0  # a full page that was never summarized
+    assert moira.verify_page_summaries(kv, missing) == (4, 0)
+
+
 # --------------------------------------------------------------------------
 # Estimate
 # --------------------------------------------------------------------------
+def test_estimate_launch_per_estimator(monkeypatch):
+    # mvar takes its own tile and warps; every other key, and every other
+    # estimator, follows ESTIMATE_LAUNCH (which tests and sweeps patch).
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "key_stages", 2)
+    mvar = moira.estimate_launch("mvar")
+    assert (mvar["tile_pages"], mvar["num_warps"]) == (64, 4)
+    assert mvar["key_stages"] == 2
+    assert moira.estimate_launch("mvar_top8") == moira.ESTIMATE_LAUNCH
+    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})
+    assert moira.estimate_launch("mvar") == moira.ESTIMATE_LAUNCH
+
+
 @pytest.mark.parametrize(
     ("layout", "group", "head_size", "pattern"),
     [
@@ -86,6 +153,7 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     # 16-page tiles: the sink, a middle tile and the current page fall in
     # different programs; 64: one tile holds the whole row.
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
+    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})  # the tile above for every estimator
     seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern,
                                               estimator="mvar")  # fmt: skip

@@ -17,8 +17,9 @@ vLLM's full CUDA graph without any host planning:
    reads the row's list length from device memory, takes its chunk or exits.
 4. Merge: log-sum-exp combine of the chunks of multi-chunk rows.
 
-Page summaries are written when a page fills (prefill and decode alike) by
-``write_page_summaries``, called right after the KV-cache scatter.
+Page summaries are written when a page fills: for prefill tokens by
+``write_page_summaries`` after the KV-cache scatter, for decode rows by
+Estimate itself (the program of the page that the new token filled).
 
 Layout of this module: constants and configuration; the kernels, each next to
 its launcher; the decode-step entry points; the vLLM backend.
@@ -123,6 +124,22 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # Estimate and Select stall".
     "maxnreg": 128,
 }
+# Changes of ESTIMATE_LAUNCH per estimator (estimate_launch()). The paper's
+# mvar (two slots, no stored keys: a tile's loads and products are a third of
+# mvar_top8's) runs fastest on 64-page tiles of 4 warps: int8 at 4x131072
+# 9.3 us against 10.5 on 32 pages / 2 warps, at 32x8192 8.4 against 9.0
+# (kernel_timing_mvar_sweep_h200.json, 2026-12-01 20:25 UTC; 11 launches).
+ESTIMATE_LAUNCH_BY_ESTIMATOR: dict[str, dict[str, Any]] = {
+    "mvar": {"tile_pages": 64, "num_warps": 4},
+}
+
+
+def estimate_launch(estimator: str) -> dict[str, Any]:
+    """Estimate's launch configuration for ``estimator``: ESTIMATE_LAUNCH with
+    that estimator's ESTIMATE_LAUNCH_BY_ESTIMATOR changes."""
+    return {**ESTIMATE_LAUNCH, **ESTIMATE_LAUNCH_BY_ESTIMATOR.get(estimator, {})}
+
+
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -442,50 +459,30 @@ def _store_summary_slot(
 
 
 @triton.jit
-def kernel_moira_write_summaries(
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
-    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
-    slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
+def _summarize_page(
+    page_keys,  # this (block, KV head)'s keys: [PAGE_SIZE, HEAD_SIZE] at stride_kv_token
+    out,  # its summary: [2 + NUM_TOP, HEAD_SIZE] bf16 or int8
+    scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
+    stride_kv_token,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_TOP: tl.constexpr = 0,
-    INT8: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
+    NUM_TOP: tl.constexpr,
+    INT8: tl.constexpr,
 ):
-    # One program per (token, KV head). Only the token that fills its page
-    # (offset PAGE_SIZE - 1) summarizes; the others exit at once. The keys are
-    # read back from the cache, so a page filled across two prefill chunks is
-    # summarized over all of its tokens.
+    # The summary of one full page, from its 64 keys in the cache. Shared by
+    # the summary writer (prefill) and Estimate (a decode row's page that its
+    # new token filled), so both store the same bits.
     # NUM_TOP = 0 (mvar, mvar_rem): slot 0 = mean, slot 1 = variance of the
     # 64 keys. NUM_TOP = r > 0 (mvar_top{r}): slots 2 .. 1 + r = the r keys
     # farthest (L2) from the mean of the 64 keys, farthest first (ties: lower
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
     # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
     # with its fp32 scale (stored keys then are quantized, not bit copies).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token)
-    if (slot < 0) | (slot % PAGE_SIZE != PAGE_SIZE - 1):
-        return
-    block = slot // PAGE_SIZE
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
-    page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
     keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :]).to(tl.float32)
     mean = tl.sum(keys, axis=0) / PAGE_SIZE
     centered = keys - mean[None, :]
-    out = summaries_ptr + block * stride_sum_block + head * stride_sum_head
-    scales = scales_ptr + block * stride_scale_block + head * stride_scale_head
     if NUM_TOP == 0:
         var = tl.sum(centered * centered, axis=0) / PAGE_SIZE
         _store_summary_slot(out, scales, 0, mean, HEAD_SIZE, INT8)
@@ -510,6 +507,47 @@ def kernel_moira_write_summaries(
         bulk_var = tl.sum(bulk_centered * bulk_centered, axis=0) / (PAGE_SIZE - NUM_TOP)
         _store_summary_slot(out, scales, 0, bulk_mean, HEAD_SIZE, INT8)
         _store_summary_slot(out, scales, 1, bulk_var, HEAD_SIZE, INT8)
+
+
+@triton.jit
+def kernel_moira_write_summaries(
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
+    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
+    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
+    slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
+    stride_kv_block: tl.int64,
+    stride_kv_head: tl.int64,
+    stride_kv_token: tl.int64,
+    stride_sum_block: tl.int64,
+    stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64,
+    stride_scale_head: tl.int64,
+    HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_TOP: tl.constexpr = 0,
+    INT8: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
+):
+    # One program per (token, KV head). Only the token that fills its page
+    # (offset PAGE_SIZE - 1) summarizes; the others exit at once. The keys are
+    # read back from the cache, so a page filled across two prefill chunks is
+    # summarized over all of its tokens (_summarize_page: the slots). The
+    # decode step does not launch it: Estimate summarizes the pages that the
+    # decode rows' new tokens fill (WRITE_FILLED_PAGE).
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    if (slot < 0) | (slot % PAGE_SIZE != PAGE_SIZE - 1):
+        return
+    block = slot // PAGE_SIZE
+    _summarize_page(
+        kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
+        summaries_ptr + block * stride_sum_block + head * stride_sum_head,
+        scales_ptr + block * stride_scale_block + head * stride_scale_head,
+        stride_kv_token, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+    )  # fmt: skip
 
 
 def write_page_summaries(
@@ -554,6 +592,25 @@ def write_page_summaries(
         INT8=summaries.dtype == torch.int8,
         **_dependent_launch(),
     )
+
+
+def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> tuple[int, int]:
+    """(pages checked, pages that differ): every page whose summary was written
+    (any nonzero byte, over all KV heads) summarized again from the keys now
+    in the cache, into a fresh buffer, and compared bit for bit. A debugging
+    and validation helper (host sync; not for the decode step): a page that
+    filled and was not summarized, or was summarized from other keys, shows
+    up as a differing or missing page. Pages freed and refilled only in part
+    since keep their old summary and differ too: check before blocks are
+    reused."""
+    written = summaries.flatten(1).ne(0).any(dim=1)
+    blocks = written.nonzero().flatten()
+    if blocks.numel() == 0:
+        return 0, 0
+    fresh = torch.zeros_like(summaries)
+    write_page_summaries(kv_cache, fresh, blocks.to(torch.int64) * MOIRA_PAGE_SIZE + MOIRA_PAGE_SIZE - 1)
+    differs = (fresh[blocks] != summaries[blocks]).flatten(1).any(dim=1)
+    return int(blocks.numel()), int(differs.sum())
 
 
 # ==========================================================================
@@ -820,6 +877,7 @@ def kernel_moira_estimate(
     KEY_STAGES: tl.constexpr = 1,
     INT8_CONVERT: tl.constexpr = 0,
     RESET_LIST_PAGES: tl.constexpr = False,
+    WRITE_FILLED_PAGE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -843,6 +901,21 @@ def kernel_moira_estimate(
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
+    if WRITE_FILLED_PAGE:
+        # The decode step's summary writer, folded in (one launch fewer per
+        # layer): when the row's new token is its page's 64th, the program of
+        # that page (the current page: z = 1, or z = 0 on a one-page row)
+        # summarizes it, also on a dense row. No program of this launch reads
+        # that summary (the current page is exact here); the next step does.
+        of_current_page = (z == 1) | ((z == 0) & (last == 0))
+        if of_current_page & (seq_len > 0) & (seq_len % PAGE_SIZE == 0):
+            block = tl.load(block_table_ptr + row * stride_bt_row + last).to(tl.int64)
+            _summarize_page(
+                kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
+                summaries_ptr + block * stride_sum_block + head * stride_sum_head,
+                scales_ptr + block * stride_scale_block + head * stride_scale_head,
+                stride_kv_token, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+            )  # fmt: skip
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
     idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
@@ -910,6 +983,7 @@ def estimate_page_logmass(
     estimator: str,
     selector_params: torch.Tensor | None = None,
     list_pages: torch.Tensor | None = None,
+    write_filled_pages: bool = False,
 ) -> None:
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
@@ -919,7 +993,10 @@ def estimate_page_logmass(
     (``MoiraWorkspace.selector_params``): rows that Select will keep whole
     (``dense_batch_tokens``) are skipped; None estimates every row.
     ``list_pages`` (int32 ``[1]``, ``MoiraWorkspace.list_pages``) is zeroed
-    for Select to sum the step's list lengths into."""
+    for Select to sum the step's list lengths into. ``write_filled_pages``:
+    also write the summary of each row's current page whose 64 tokens are
+    all in (``seq_len % 64 == 0``), as ``write_page_summaries`` does for its
+    last slot: the decode step's summary write, without a launch of its own."""
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
     num_slots, scales = _summary_layout(summaries)
@@ -934,7 +1011,8 @@ def estimate_page_logmass(
     group_size = num_q_heads // num_kv_heads
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
-    tile_pages = ESTIMATE_LAUNCH["tile_pages"]
+    launch = estimate_launch(estimator)
+    tile_pages = launch["tile_pages"]
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
@@ -972,11 +1050,12 @@ def estimate_page_logmass(
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=summaries.dtype == torch.int8,
-        KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
-        INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
+        KEY_STAGES=launch["key_stages"],
+        INT8_CONVERT=_int8_convert_mode(launch["int8_convert"]),
         RESET_LIST_PAGES=list_pages is not None,
-        num_warps=ESTIMATE_LAUNCH["num_warps"],
-        **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
+        WRITE_FILLED_PAGE=write_filled_pages,
+        num_warps=launch["num_warps"],
+        **_register_cap(launch["maxnreg"]),
         **_dependent_launch(),
     )
 
@@ -1590,6 +1669,27 @@ def rpc_read_stats(_worker: object, reset: bool = False) -> list[int]:
     return [kept, total]
 
 
+def rpc_check_summaries(worker: Any) -> dict[str, int]:
+    """``llm.collective_rpc(rpc_check_summaries)``: ``verify_page_summaries``
+    over every Moira layer of the rank that writes its own summaries (not
+    KV-sharing ones): {"layers", "pages" checked, "mismatched" pages}. A host
+    sync; call it between steps."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    out = {"layers": 0, "pages": 0, "mismatched": 0}
+    for layer in context.values():
+        impl = getattr(layer, "impl", None)
+        if not isinstance(impl, MoiraImpl) or impl.kv_sharing_target_layer_name is not None:
+            continue
+        kv_cache = layer.kv_cache
+        if impl._summaries is None or kv_cache.numel() == 0:
+            continue
+        pages, mismatched = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache))
+        out["layers"] += 1
+        out["pages"] += pages
+        out["mismatched"] += mismatched
+    return out
+
+
 class MoiraWorkspace:
     """Persistent buffers of the decode step, sized for the worst case.
 
@@ -1816,8 +1916,10 @@ def estimate_and_select(
     seq_lens: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
+    write_filled_pages: bool = False,
 ) -> None:
-    """Estimate + Select: fills ``workspace.page_list`` / ``page_count``."""
+    """Estimate + Select: fills ``workspace.page_list`` / ``page_count``
+    (``write_filled_pages``: see ``estimate_page_logmass``)."""
     num_rows = query.shape[0]
     if num_rows == 0:
         return
@@ -1841,6 +1943,7 @@ def estimate_and_select(
         workspace.config.estimator,
         workspace.selector_params,
         list_pages=workspace.list_pages,
+        write_filled_pages=write_filled_pages,
     )
     select_pages(
         workspace.logmass,
@@ -1866,6 +1969,7 @@ def moira_decode(
     output: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
+    write_filled_pages: bool = False,
 ) -> None:
     """One layer's sparse decode: Estimate -> Select -> Attend -> Merge.
 
@@ -1874,9 +1978,13 @@ def moira_decode(
     (0 = padded row: its output is left untouched). The selector is the
     workspace's (``MoiraWorkspace.set_selector``). Launch grids depend only on
     B and the static shapes, so the call replays in a CUDA graph.
+    ``write_filled_pages``: also summarize each row's page that its new token
+    filled (the backend's decode step; off for callers whose summaries are
+    already written, e.g. benchmarks replaying one step).
     """
     _check_kv_cache(kv_cache)
-    estimate_and_select(query, kv_cache, summaries, block_table, seq_lens, workspace, scale)
+    estimate_and_select(query, kv_cache, summaries, block_table, seq_lens, workspace, scale,
+                        write_filled_pages)  # fmt: skip
     attend(
         query,
         kv_cache,
@@ -2069,7 +2177,8 @@ class MoiraBackend(FlashAttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16"]
     # The layer scatters K/V through do_kv_cache_update before forward();
-    # Moira hooks the summary write there.
+    # forward() then writes the page summaries (prefill: the writer kernel;
+    # decode rows: Estimate).
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
@@ -2627,22 +2736,10 @@ class MoiraImpl(FlashAttentionImpl):
         self._summaries_key = key
         return self._summaries
 
-    # ---- cache update and forward -----------------------------------------
-    def do_kv_cache_update(
-        self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if kv_cache.numel() == 0:
-            return
-        # After the scatter, so the summary kernel reads all 64 keys of each
-        # page that this step filled (slot % 64 == 63), prefill and decode.
-        write_page_summaries(kv_cache, self._get_summaries(kv_cache), slot_mapping)
-
+    # ---- forward -------------------------------------------------------------
+    # The KV scatter is FlashAttentionImpl.do_kv_cache_update, unchanged: the
+    # page summaries are written in forward(), which runs after it and knows
+    # the decode / prefill split.
     def forward(
         self,
         layer: torch.nn.Module,
@@ -2664,6 +2761,9 @@ class MoiraImpl(FlashAttentionImpl):
         # Padded FULL-graph batches may have more (padded) rows than real
         # tokens; the runner's buffers are padded to the graph size.
         nd = min(attn_metadata.num_decodes, query.shape[0])
+        # Layers that share another layer's KV cache neither scatter keys nor
+        # write its summaries (the target layer does both).
+        writes_summaries = self.kv_sharing_target_layer_name is None
         if nd > 0:
             # One token per decode row: rows [0, nd) are tokens [0, nd).
             # No host sync: lengths and tables are read on device.
@@ -2676,9 +2776,16 @@ class MoiraImpl(FlashAttentionImpl):
                 output[:nd].view(nd, self.num_heads, self.head_size),
                 attn_metadata.workspace,
                 self.scale,
+                # The pages that the decode rows' new tokens filled are
+                # summarized by Estimate (no writer launch in the decode step).
+                write_filled_pages=writes_summaries,
             )
         prefill = attn_metadata.prefill
         if prefill is not None:
+            if writes_summaries and kv_cache.numel() > 0:
+                # The prefill tokens' full pages, after the scatter
+                # (do_kv_cache_update ran before forward).
+                write_page_summaries(kv_cache, self._get_summaries(kv_cache), prefill.slot_mapping)
             ndt = attn_metadata.num_decode_tokens
             # FA3 on the prefill slice only (its metadata was built for the
             # sliced batch); the decode rows' output is left as Moira wrote it.

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Page summaries written inside vLLM, checked against the keys (H200; not a test).
+
+One MOIRA engine (dummy weights, block_size 64, FULL_AND_PIECEWISE CUDA graphs,
+prefix caching off) prefills a few prompts together (chunked: steps with
+decode and prefill rows) and decodes past several page boundaries, so pages
+fill in all three places that write summaries: the writer kernel on prefill
+tokens, Estimate in eager mixed steps, and Estimate in FULL-graph decode
+steps. Then every layer's summaries are recomputed from the keys in its cache
+(``moira.rpc_check_summaries``) and compared bit for bit, and the number of
+summarized pages is compared with the pages the requests filled:
+sum over requests of floor((prompt + generated - 1) / 64) per layer (the last
+generated token's keys are never written). A page that filled during decode
+and was not summarized makes that count fall short; one summarized from the
+wrong keys is a mismatch.
+
+    python benchmarks/summaries_in_vllm.py --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+MODEL_DEFAULT = "shared/gpu/models/Llama-3.1-8B"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=MODEL_DEFAULT)
+    ap.add_argument("--prompt-lens", default="1000,1500,2100,700",
+                    help="comma list of prompt lengths in tokens (not multiples of 64)")  # fmt: skip
+    ap.add_argument("--gen", type=int, default=300, help="tokens generated per prompt")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                    help="small, so prefills are chunked and mix with decode rows")  # fmt: skip
+    a = ap.parse_args()
+    prompt_lens = [int(x) for x in a.prompt_lens.split(",") if x]
+
+    # The check is a function sent to the worker (collective_rpc): vLLM's
+    # msgpack transport needs pickle for it. In-process engine: nothing else
+    # crosses a process boundary.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    import numpy as np
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.v1.attention.backends import moira
+
+    t_start = time.time()
+    llm = LLM(
+        model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        block_size=64, max_model_len=max(prompt_lens) + a.gen + 64,
+        max_num_seqs=len(prompt_lens), max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=False, seed=0, attention_config={"backend": "MOIRA"},
+        compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
+                            "cudagraph_capture_sizes": [1, 2, 4]},
+    )  # fmt: skip
+    engine_s = time.time() - t_start
+    print(f"engine ready in {engine_s:.0f} s", flush=True)
+    # Whatever warmup and capture summarized (expected: nothing; seq_lens of
+    # dummy steps stay below a page).
+    before = llm.collective_rpc(moira.rpc_check_summaries)
+    print("before the run:", before, flush=True)
+    rng = np.random.default_rng(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=n).tolist()}
+               for n in prompt_lens]  # fmt: skip
+    sp = SamplingParams(max_tokens=a.gen, min_tokens=a.gen, ignore_eos=True, temperature=0.0,
+                        detokenize=False)  # fmt: skip
+    t0 = time.time()
+    outputs = llm.generate(prompts, sp, use_tqdm=False)
+    gen_s = time.time() - t0
+    generated = [len(o.outputs[0].token_ids) for o in outputs]
+    per_rank = llm.collective_rpc(moira.rpc_check_summaries)
+    expected = sum(math.floor((p + g - 1) / 64) for p, g in zip(prompt_lens, generated))
+    decode_filled = sum(math.floor((p + g - 1) / 64) - math.floor(p / 64)
+                        for p, g in zip(prompt_lens, generated))  # fmt: skip
+    result = per_rank[0]
+    layers = max(result["layers"], 1)
+    record = {
+        "command": "python " + " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "model": os.path.basename(a.model.rstrip("/")),
+        "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
+        "estimator": moira.moira_config_from_env().estimator,
+        "summary_dtype": moira.moira_config_from_env().summary_dtype,
+        "prompt_lens": prompt_lens,
+        "generated": generated,
+        "engine_init_s": round(engine_s, 1),
+        "generate_s": round(gen_s, 1),
+        "before_run": before,
+        "per_rank": per_rank,
+        "expected_pages_per_layer": expected,
+        "pages_filled_during_decode_per_layer": decode_filled,
+        "summarized_pages_per_layer": result["pages"] / layers,
+        "mismatched_pages": result["mismatched"],
+    }
+    # Pages summarized before the run (warmup, capture) would still count.
+    record["passed"] = (
+        result["layers"] > 0
+        and result["mismatched"] == 0
+        and result["pages"] == expected * result["layers"] + before[0]["pages"]
+    )
+    with open(a.out, "w") as f:
+        f.write(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "command"}), flush=True)
+    return 0 if record["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
