@@ -147,8 +147,9 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
         # (--src trees from before it have no such option.)
         decode_options = ({"write_filled_pages": True} if "write_filled_pages"
                           in inspect.signature(moira.moira_decode).parameters else {})  # fmt: skip
-        moira.moira_decode(query, kv, summaries, table, seq, out, ws, head_size**-0.5,
-                           **decode_options)
+        moira.moira_decode(
+            query, kv, summaries, table, seq, out, ws, head_size**-0.5, **decode_options
+        )
     return launches
 
 

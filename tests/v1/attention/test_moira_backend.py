@@ -483,8 +483,9 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
         calls["decode_writes_summaries"] = write_filled_pages
         output.fill_(1)
 
-    def fake_writer(kv_cache, summaries, slot_mapping):
+    def fake_writer(kv_cache, summaries, slot_mapping, estimator=None):
         calls.setdefault("writer", []).append(slot_mapping)
+        calls["writer_estimator"] = estimator
 
     def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
         calls["fa"] = (query.shape, key.shape, attn_metadata)
@@ -519,6 +520,8 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
     assert calls["decode_writes_summaries"] is True
     assert len(calls["writer"]) == 1 and calls["writer"][0] is md.prefill.slot_mapping
     assert calls["writer"][0].tolist() == list(range(1003, 1015))
+    # On the warps of the estimator's Estimate: both store the same bits.
+    assert calls["writer_estimator"] == impl.moira_config.estimator
 
 
 def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):
@@ -531,8 +534,11 @@ def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):
     with set_current_vllm_config(builder.vllm_config):
         impl = mod.MoiraImpl(**_IMPL_ARGS)
     seen = {}
-    monkeypatch.setattr(mod, "moira_decode",
-                        lambda *a, write_filled_pages=False: seen.update(decode=write_filled_pages))
+    monkeypatch.setattr(
+        mod,
+        "moira_decode",
+        lambda *a, write_filled_pages=False: seen.update(decode=write_filled_pages),
+    )
     monkeypatch.setattr(mod, "write_page_summaries", lambda *a: seen.update(writer=True))
     kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
     impl.bind_kv_cache_extras(None, kv_cache)

@@ -105,8 +105,10 @@ def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
         assert torch.equal(summaries[others], expected[others])
         if not write:
             written = summaries[filled, :, :num_slots]
-            assert torch.equal(written, torch.full_like(written, sentinel)) \
+            assert (
+                torch.equal(written, torch.full_like(written, sentinel))
                 or torch.isnan(written.float()).all()
+            )
     assert torch.equal(summaries, expected)  # bit for bit, the filled pages included
     torch.testing.assert_close(logmass[True], logmass[False], rtol=0, atol=0, equal_nan=True)
 
@@ -115,13 +117,21 @@ def test_verify_page_summaries_finds_wrong_and_missing_pages():
     seq_lens = [3 * PAGE, 2 * PAGE + 9]
     kv, summaries, table, _, _ = make_decode_batch(seq_lens, 2, 2, 64, "token_major",
                                                    "mvar")  # fmt: skip
-    assert moira.verify_page_summaries(kv, summaries) == (5, 0)  # 3 + 2 full pages
+
+    def found(pages, mismatched, beyond_rounding):
+        return {"pages": pages, "mismatched": mismatched, "beyond_rounding": beyond_rounding}
+
+    assert moira.verify_page_summaries(kv, summaries) == found(5, 0, 0)  # 3 + 2 full pages
     wrong = summaries.clone()
     wrong[int(table[0, 1]), 1, 0, 5] += 1.0  # one channel of one KV head's mean
-    assert moira.verify_page_summaries(kv, wrong) == (5, 1)
+    assert moira.verify_page_summaries(kv, wrong) == found(5, 1, 1)
+    rounded = summaries.clone()  # one value one bf16 step off: rounding, not a wrong key
+    value = rounded[int(table[0, 2]), 0, 1, 7].float()
+    rounded[int(table[0, 2]), 0, 1, 7] = (value * (1 + 2.0**-8)).to(torch.bfloat16)
+    assert moira.verify_page_summaries(kv, rounded) == found(5, 1, 0)
     missing = summaries.clone()
     missing[int(table[1, 0])] = 0  # a full page that was never summarized
-    assert moira.verify_page_summaries(kv, missing) == (4, 0)
+    assert moira.verify_page_summaries(kv, missing) == found(4, 0, 0)
 
 
 # --------------------------------------------------------------------------
@@ -153,7 +163,8 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     # 16-page tiles: the sink, a middle tile and the current page fall in
     # different programs; 64: one tile holds the whole row.
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
-    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})  # the tile above for every estimator
+    # The tile above for every estimator (mvar has its own by default).
+    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})
     seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern,
                                               estimator="mvar")  # fmt: skip

@@ -173,3 +173,43 @@ def test_int8_to_fp16_by_byte_permutes_is_exact():
         dst = torch.full((32, 128), 99.0, dtype=torch.float16, device="cuda")
         kernel_convert[(1,)](src, dst, ROWS=32, COLS=128, num_warps=warps)
         assert torch.equal(dst, src.to(torch.float16)), warps
+
+
+@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4"])
+def test_estimate_writes_filled_pages_like_the_writer(name):
+    # The decode step's summary write (Estimate, write_filled_pages) stores the
+    # bits that write_page_summaries(..., estimator) stores for the same page:
+    # on the GPU the per-channel sums are reduced in the order of the warps'
+    # layout, so both run on the same warps (CPU tests cannot see this).
+    import torch
+    from vllm.v1.attention.backends import moira
+
+    from benchmarks.moira_correctness import split_summary_dtype
+    from tests.v1.attention.moira_test_utils import (
+        full_page_slots,
+        make_block_table,
+        make_kv_cache,
+    )
+
+    estimator, summary_dtype = split_summary_dtype(name)
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [64 * 40, 64 * 3, 64, 64 * 7 + 9]  # rows 0-2: the new token fills a page
+    num_blocks = sum(-(-n // 64) for n in seq_lens) + 2
+    kv = make_kv_cache(num_blocks, 8, 128, "token_major", generator=gen).cuda()
+    table = make_block_table(seq_lens, num_blocks, 40, generator=gen).cuda()
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(len(seq_lens), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
+    expected = torch.zeros(num_blocks, 8, rows, 128, dtype=dtype, device="cuda")
+    moira.write_page_summaries(kv, expected, full_page_slots(table.cpu(), seq_lens).cuda(),
+                               estimator)  # fmt: skip
+    summaries = expected.clone()
+    filled = [int(table[r, (seq_lens[r] - 1) // 64]) for r in range(3)]
+    summaries[filled] = 0
+    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype)
+    ws = moira.MoiraWorkspace(4, 32, 8, 128, 40, config, "cuda")
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 128**-0.5,
+                                estimator, ws.selector_params, write_filled_pages=True)  # fmt: skip
+    torch.cuda.synchronize()
+    assert summaries[filled].ne(0).any()
+    assert torch.equal(summaries, expected)

@@ -551,7 +551,10 @@ def kernel_moira_write_summaries(
 
 
 def write_page_summaries(
-    kv_cache: torch.Tensor, summaries: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    summaries: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    estimator: str | None = None,
 ) -> None:
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
@@ -560,7 +563,12 @@ def write_page_summaries(
     int8 (the last row holds the slots' fp32 scales): its slot count selects the
     summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
     bulk mean and variance and the r farthest keys, for mvar_top{r}).
-    Graph-safe: the grid is the number of tokens; no host sync.
+    ``estimator``: the one whose Estimate writes the decode rows' pages
+    (``write_filled_pages``); the writer then runs on as many warps as that
+    Estimate, so that both store the same bits (the per-channel sums are
+    reduced in the order of the warps' layout; the int8 scales keep every fp32
+    bit of it). None: 4 warps. Graph-safe: the grid is the number of tokens;
+    no host sync.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -590,27 +598,48 @@ def write_page_summaries(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         NUM_TOP=num_top,
         INT8=summaries.dtype == torch.int8,
+        num_warps=4 if estimator is None else estimate_launch(estimator)["num_warps"],
         **_dependent_launch(),
     )
 
 
-def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> tuple[int, int]:
-    """(pages checked, pages that differ): every page whose summary was written
-    (any nonzero byte, over all KV heads) summarized again from the keys now
-    in the cache, into a fresh buffer, and compared bit for bit. A debugging
-    and validation helper (host sync; not for the decode step): a page that
-    filled and was not summarized, or was summarized from other keys, shows
-    up as a differing or missing page. Pages freed and refilled only in part
-    since keep their old summary and differ too: check before blocks are
-    reused."""
+def verify_page_summaries(
+    kv_cache: torch.Tensor, summaries: torch.Tensor, estimator: str | None = None
+) -> dict[str, int]:
+    """Every page whose summary was written (any nonzero byte, over all KV
+    heads) summarized again from the keys now in the cache, into a fresh
+    buffer (``write_page_summaries(..., estimator)``), and compared:
+    {"pages" checked, "mismatched" (any bit differs), "beyond_rounding" (a
+    value off by more than one bf16 step, or one int8 step / a scale off by
+    more than 1e-5 relative)}. A debugging and validation helper (host sync;
+    not for the decode step): a page that filled and was not summarized is
+    missing from "pages"; one summarized from other keys differs beyond
+    rounding. Pages freed and refilled only in part keep their old summary
+    and differ too: check before blocks are reused."""
     written = summaries.flatten(1).ne(0).any(dim=1)
     blocks = written.nonzero().flatten()
     if blocks.numel() == 0:
-        return 0, 0
+        return {"pages": 0, "mismatched": 0, "beyond_rounding": 0}
     fresh = torch.zeros_like(summaries)
-    write_page_summaries(kv_cache, fresh, blocks.to(torch.int64) * MOIRA_PAGE_SIZE + MOIRA_PAGE_SIZE - 1)
-    differs = (fresh[blocks] != summaries[blocks]).flatten(1).any(dim=1)
-    return int(blocks.numel()), int(differs.sum())
+    last_slots = blocks.to(torch.int64) * MOIRA_PAGE_SIZE + MOIRA_PAGE_SIZE - 1
+    write_page_summaries(kv_cache, fresh, last_slots, estimator)
+    got, want = summaries[blocks], fresh[blocks]
+    mismatched = (got != want).flatten(1).any(dim=1)
+    num_slots, _ = _summary_layout(summaries)
+    if summaries.dtype == torch.int8:
+        step = (got[:, :, :num_slots].int() - want[:, :, :num_slots].int()).abs()
+        off = step.flatten(1).gt(1).any(dim=1)
+        got_scales = got[:, :, num_slots, : 4 * num_slots].contiguous().view(torch.float32)
+        want_scales = want[:, :, num_slots, : 4 * num_slots].contiguous().view(torch.float32)
+        scale_off = (got_scales - want_scales).abs() > 1e-5 * want_scales.abs() + 1e-30
+        off |= scale_off.flatten(1).any(dim=1)
+    else:
+        a, b = got.float(), want.float()
+        size = torch.maximum(a.abs(), b.abs()).clamp_min(2.0**-126)
+        bf16_step = torch.pow(2.0, torch.floor(torch.log2(size)) - 7)
+        off = ((a - b).abs() > bf16_step).flatten(1).any(dim=1)
+    return {"pages": int(blocks.numel()), "mismatched": int(mismatched.sum()),
+            "beyond_rounding": int(off.sum())}  # fmt: skip
 
 
 # ==========================================================================
@@ -1672,10 +1701,10 @@ def rpc_read_stats(_worker: object, reset: bool = False) -> list[int]:
 def rpc_check_summaries(worker: Any) -> dict[str, int]:
     """``llm.collective_rpc(rpc_check_summaries)``: ``verify_page_summaries``
     over every Moira layer of the rank that writes its own summaries (not
-    KV-sharing ones): {"layers", "pages" checked, "mismatched" pages}. A host
-    sync; call it between steps."""
+    KV-sharing ones), summed: {"layers", "pages", "mismatched",
+    "beyond_rounding"}. A host sync; call it between steps."""
     context = worker.vllm_config.compilation_config.static_forward_context
-    out = {"layers": 0, "pages": 0, "mismatched": 0}
+    out = {"layers": 0, "pages": 0, "mismatched": 0, "beyond_rounding": 0}
     for layer in context.values():
         impl = getattr(layer, "impl", None)
         if not isinstance(impl, MoiraImpl) or impl.kv_sharing_target_layer_name is not None:
@@ -1683,10 +1712,11 @@ def rpc_check_summaries(worker: Any) -> dict[str, int]:
         kv_cache = layer.kv_cache
         if impl._summaries is None or kv_cache.numel() == 0:
             continue
-        pages, mismatched = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache))
+        found = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache),
+                                      impl.moira_config.estimator)  # fmt: skip
         out["layers"] += 1
-        out["pages"] += pages
-        out["mismatched"] += mismatched
+        for key, count in found.items():
+            out[key] += count
     return out
 
 
@@ -2785,7 +2815,8 @@ class MoiraImpl(FlashAttentionImpl):
             if writes_summaries and kv_cache.numel() > 0:
                 # The prefill tokens' full pages, after the scatter
                 # (do_kv_cache_update ran before forward).
-                write_page_summaries(kv_cache, self._get_summaries(kv_cache), prefill.slot_mapping)
+                write_page_summaries(kv_cache, self._get_summaries(kv_cache), prefill.slot_mapping,
+                                     self.moira_config.estimator)  # fmt: skip
             ndt = attn_metadata.num_decode_tokens
             # FA3 on the prefill slice only (its metadata was built for the
             # sliced batch); the decode rows' output is left as Moira wrote it.
