@@ -394,7 +394,7 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
         def estimate():
             moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)
 
-        row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws, estimator)
+        row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
         estimate()
         row["select_sweep"] = sweep_select_launch(
             ws,
@@ -495,19 +495,14 @@ ATTEND_SWEEP = [
 ]
 
 
-def sweep_estimate_launch(case, estimate, ws, estimator=None):
-    """Time ``estimate`` under each ESTIMATE_SWEEP change of the estimator's
-    launch (moira.estimate_launch: ESTIMATE_LAUNCH and its per-estimator
-    changes, which the sweep starts from and sets aside while it runs); each
-    result is compared with the default configuration's log-masses."""
+def sweep_estimate_launch(case, estimate, ws):
+    """Time ``estimate`` under each ESTIMATE_SWEEP change of ESTIMATE_LAUNCH;
+    each result is compared with the default configuration's log-masses."""
     batch = case["query"].shape[0]
     rows = []
+    default_estimate = dict(moira.ESTIMATE_LAUNCH)
     estimate()
     reference_logmass = ws.logmass[:batch].clone()
-    base_estimate = dict(moira.ESTIMATE_LAUNCH)
-    by_estimator = dict(moira.ESTIMATE_LAUNCH_BY_ESTIMATOR)
-    default_estimate = moira.estimate_launch(estimator or ws.config.estimator)
-    moira.ESTIMATE_LAUNCH_BY_ESTIMATOR.clear()
     for change in ESTIMATE_SWEEP:
         moira.ESTIMATE_LAUNCH.update(default_estimate)
         moira.ESTIMATE_LAUNCH.update(change)
@@ -524,8 +519,7 @@ def sweep_estimate_launch(case, estimate, ws, estimator=None):
         rows.append({**launch, "us": us, "matches_default": same})
         print("estimate", launch, f"{us:.2f} us", same, flush=True)
     moira.ESTIMATE_LAUNCH.clear()
-    moira.ESTIMATE_LAUNCH.update(base_estimate)
-    moira.ESTIMATE_LAUNCH_BY_ESTIMATOR.update(by_estimator)
+    moira.ESTIMATE_LAUNCH.update(default_estimate)
     return rows
 
 

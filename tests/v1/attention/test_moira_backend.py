@@ -483,9 +483,8 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
         calls["decode_writes_summaries"] = write_filled_pages
         output.fill_(1)
 
-    def fake_writer(kv_cache, summaries, slot_mapping, estimator=None):
+    def fake_writer(kv_cache, summaries, slot_mapping):
         calls.setdefault("writer", []).append(slot_mapping)
-        calls["writer_estimator"] = estimator
 
     def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
         calls["fa"] = (query.shape, key.shape, attn_metadata)
@@ -520,8 +519,6 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
     assert calls["decode_writes_summaries"] is True
     assert len(calls["writer"]) == 1 and calls["writer"][0] is md.prefill.slot_mapping
     assert calls["writer"][0].tolist() == list(range(1003, 1015))
-    # On the warps of the estimator's Estimate: both store the same bits.
-    assert calls["writer_estimator"] == impl.moira_config.estimator
 
 
 def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):

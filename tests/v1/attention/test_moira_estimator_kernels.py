@@ -131,8 +131,6 @@ def test_estimate_matches_reference(estimator, layout, group, head_size, pattern
     # 16-page tiles: the sink, middle tiles and the current page fall in
     # different programs.
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
-    # The tile above for every estimator (mvar has its own by default).
-    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})
     seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
     # Queries x3: the spread x^2.var of random pages is ~9, around REM's knee 2 ln m
     # (~8.2), so both of its branches are taken (checked below).

@@ -137,18 +137,6 @@ def test_verify_page_summaries_finds_wrong_and_missing_pages():
 # --------------------------------------------------------------------------
 # Estimate
 # --------------------------------------------------------------------------
-def test_estimate_launch_per_estimator(monkeypatch):
-    # mvar takes its own tile and warps; every other key, and every other
-    # estimator, follows ESTIMATE_LAUNCH (which tests and sweeps patch).
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "key_stages", 2)
-    mvar = moira.estimate_launch("mvar")
-    assert (mvar["tile_pages"], mvar["num_warps"]) == (64, 4)
-    assert mvar["key_stages"] == 2
-    assert moira.estimate_launch("mvar_top8") == moira.ESTIMATE_LAUNCH
-    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})
-    assert moira.estimate_launch("mvar") == moira.ESTIMATE_LAUNCH
-
-
 @pytest.mark.parametrize(
     ("layout", "group", "head_size", "pattern"),
     [
@@ -163,8 +151,6 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     # 16-page tiles: the sink, a middle tile and the current page fall in
     # different programs; 64: one tile holds the whole row.
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
-    # The tile above for every estimator (mvar has its own by default).
-    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})
     seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern,
                                               estimator="mvar")  # fmt: skip

@@ -178,9 +178,9 @@ def test_int8_to_fp16_by_byte_permutes_is_exact():
 @pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4"])
 def test_estimate_writes_filled_pages_like_the_writer(name):
     # The decode step's summary write (Estimate, write_filled_pages) stores the
-    # bits that write_page_summaries(..., estimator) stores for the same page:
-    # on the GPU the per-channel sums are reduced in the order of the warps'
-    # layout, so both run on the same warps (CPU tests cannot see this).
+    # bits that write_page_summaries stores for the same page: on the GPU the
+    # per-channel sums are reduced in the order of the warps' layout, so both
+    # run on Estimate's warps (CPU tests cannot see this).
     import torch
     from vllm.v1.attention.backends import moira
 
@@ -201,8 +201,7 @@ def test_estimate_writes_filled_pages_like_the_writer(name):
     query = torch.randn(len(seq_lens), 32, 128, generator=gen).to(torch.bfloat16).cuda()
     dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
     expected = torch.zeros(num_blocks, 8, rows, 128, dtype=dtype, device="cuda")
-    moira.write_page_summaries(kv, expected, full_page_slots(table.cpu(), seq_lens).cuda(),
-                               estimator)  # fmt: skip
+    moira.write_page_summaries(kv, expected, full_page_slots(table.cpu(), seq_lens).cuda())
     summaries = expected.clone()
     filled = [int(table[r, (seq_lens[r] - 1) // 64]) for r in range(3)]
     summaries[filled] = 0

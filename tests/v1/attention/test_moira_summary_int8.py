@@ -124,8 +124,6 @@ def test_write_int8_summaries_of_an_all_zero_page():
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
                                          int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
-    # The tile above for every estimator (mvar has its own by default).
-    monkeypatch.setattr(moira, "ESTIMATE_LAUNCH_BY_ESTIMATOR", {})
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
     seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
     kv, summaries, table, seq, query = make_decode_batch(

@@ -124,22 +124,6 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # Estimate and Select stall".
     "maxnreg": 128,
 }
-# Changes of ESTIMATE_LAUNCH per estimator (estimate_launch()). The paper's
-# mvar (two slots, no stored keys: a tile's loads and products are a third of
-# mvar_top8's) runs fastest on 64-page tiles of 4 warps: int8 at 4x131072
-# 9.3 us against 10.5 on 32 pages / 2 warps, at 32x8192 8.4 against 9.0
-# (kernel_timing_mvar_sweep_h200.json, 2026-12-01 20:25 UTC; 11 launches).
-ESTIMATE_LAUNCH_BY_ESTIMATOR: dict[str, dict[str, Any]] = {
-    "mvar": {"tile_pages": 64, "num_warps": 4},
-}
-
-
-def estimate_launch(estimator: str) -> dict[str, Any]:
-    """Estimate's launch configuration for ``estimator``: ESTIMATE_LAUNCH with
-    that estimator's ESTIMATE_LAUNCH_BY_ESTIMATOR changes."""
-    return {**ESTIMATE_LAUNCH, **ESTIMATE_LAUNCH_BY_ESTIMATOR.get(estimator, {})}
-
-
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -551,10 +535,7 @@ def kernel_moira_write_summaries(
 
 
 def write_page_summaries(
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    estimator: str | None = None,
+    kv_cache: torch.Tensor, summaries: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
@@ -563,12 +544,12 @@ def write_page_summaries(
     int8 (the last row holds the slots' fp32 scales): its slot count selects the
     summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
     bulk mean and variance and the r farthest keys, for mvar_top{r}).
-    ``estimator``: the one whose Estimate writes the decode rows' pages
-    (``write_filled_pages``); the writer then runs on as many warps as that
-    Estimate, so that both store the same bits (the per-channel sums are
-    reduced in the order of the warps' layout; the int8 scales keep every fp32
-    bit of it). None: 4 warps. Graph-safe: the grid is the number of tokens;
-    no host sync.
+    It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
+    that decode rows fill (``write_filled_pages``), so that both store the
+    same bits: on the GPU the per-channel sums are reduced in the order of the
+    warps' layout, and int8 scales keep every fp32 bit of it (measured: equal
+    on 2 warps; Estimate on 4 warps and this writer on 4 were not). Graph-safe:
+    the grid is the number of tokens; no host sync.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -598,17 +579,15 @@ def write_page_summaries(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         NUM_TOP=num_top,
         INT8=summaries.dtype == torch.int8,
-        num_warps=4 if estimator is None else estimate_launch(estimator)["num_warps"],
+        num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_dependent_launch(),
     )
 
 
-def verify_page_summaries(
-    kv_cache: torch.Tensor, summaries: torch.Tensor, estimator: str | None = None
-) -> dict[str, int]:
+def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> dict[str, int]:
     """Every page whose summary was written (any nonzero byte, over all KV
     heads) summarized again from the keys now in the cache, into a fresh
-    buffer (``write_page_summaries(..., estimator)``), and compared:
+    buffer (``write_page_summaries``), and compared:
     {"pages" checked, "mismatched" (any bit differs), "beyond_rounding" (a
     value off by more than one bf16 step, or one int8 step / a scale off by
     more than 1e-5 relative)}. A debugging and validation helper (host sync;
@@ -622,7 +601,7 @@ def verify_page_summaries(
         return {"pages": 0, "mismatched": 0, "beyond_rounding": 0}
     fresh = torch.zeros_like(summaries)
     last_slots = blocks.to(torch.int64) * MOIRA_PAGE_SIZE + MOIRA_PAGE_SIZE - 1
-    write_page_summaries(kv_cache, fresh, last_slots, estimator)
+    write_page_summaries(kv_cache, fresh, last_slots)
     got, want = summaries[blocks], fresh[blocks]
     mismatched = (got != want).flatten(1).any(dim=1)
     num_slots, _ = _summary_layout(summaries)
@@ -1040,8 +1019,7 @@ def estimate_page_logmass(
     group_size = num_q_heads // num_kv_heads
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
-    launch = estimate_launch(estimator)
-    tile_pages = launch["tile_pages"]
+    tile_pages = ESTIMATE_LAUNCH["tile_pages"]
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
@@ -1079,12 +1057,12 @@ def estimate_page_logmass(
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=summaries.dtype == torch.int8,
-        KEY_STAGES=launch["key_stages"],
-        INT8_CONVERT=_int8_convert_mode(launch["int8_convert"]),
+        KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
+        INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
         RESET_LIST_PAGES=list_pages is not None,
         WRITE_FILLED_PAGE=write_filled_pages,
-        num_warps=launch["num_warps"],
-        **_register_cap(launch["maxnreg"]),
+        num_warps=ESTIMATE_LAUNCH["num_warps"],
+        **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
         **_dependent_launch(),
     )
 
@@ -1712,8 +1690,7 @@ def rpc_check_summaries(worker: Any) -> dict[str, int]:
         kv_cache = layer.kv_cache
         if impl._summaries is None or kv_cache.numel() == 0:
             continue
-        found = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache),
-                                      impl.moira_config.estimator)  # fmt: skip
+        found = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache))
         out["layers"] += 1
         for key, count in found.items():
             out[key] += count
@@ -2815,8 +2792,7 @@ class MoiraImpl(FlashAttentionImpl):
             if writes_summaries and kv_cache.numel() > 0:
                 # The prefill tokens' full pages, after the scatter
                 # (do_kv_cache_update ran before forward).
-                write_page_summaries(kv_cache, self._get_summaries(kv_cache), prefill.slot_mapping,
-                                     self.moira_config.estimator)  # fmt: skip
+                write_page_summaries(kv_cache, self._get_summaries(kv_cache), prefill.slot_mapping)
             ndt = attn_metadata.num_decode_tokens
             # FA3 on the prefill slice only (its metadata was built for the
             # sliced batch); the decode rows' output is left as Moira wrote it.
