@@ -53,3 +53,29 @@ def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     assert estimate["num_warps"] == 2
     # Attend's grid is the launcher's (rows, KV heads, J).
     assert by_name["kernel_moira_attend"]["grid"][:2] == [2, 8]
+
+
+def test_decode_step_launches_no_writer_and_writer_shares_estimates_warps():
+    # The captured decode step (kernel_resources' interception, nothing runs):
+    # the writer is launched for the prefill tokens' slots only, the decode
+    # step itself is Estimate (writing the filled pages), Select, Attend,
+    # Merge; and the writer runs on Estimate's warps, the condition for their
+    # summaries to be equal bit for bit on the GPU.
+    sys.path.insert(0, str(ROOT))
+    from vllm_moira.v1.attention.backends import moira
+
+    launches = kr.decode_step_launches(moira, 2, 4096, moira.MOIRA_DEFAULT_ESTIMATOR,
+                                       moira.MOIRA_DEFAULT_SUMMARY_DTYPE)  # fmt: skip
+    names = [fn.__name__ for fn, _, _, _ in launches]
+    assert names == [
+        "kernel_moira_write_summaries",  # the prefill writer the tool launches first
+        "kernel_moira_estimate",
+        "kernel_moira_select",
+        "kernel_moira_attend",
+        "kernel_moira_merge",
+    ]
+    warps = {fn.__name__: kwargs.get("num_warps") for fn, _, _, kwargs in launches}
+    assert warps["kernel_moira_write_summaries"] == warps["kernel_moira_estimate"]
+    assert warps["kernel_moira_estimate"] == moira.ESTIMATE_LAUNCH["num_warps"]
+    estimate_kwargs = launches[1][3]
+    assert estimate_kwargs["WRITE_FILLED_PAGE"] is True
