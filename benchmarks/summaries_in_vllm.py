@@ -82,14 +82,15 @@ def main() -> int:
     decode_filled = sum(math.floor((p + g - 1) / 64) - math.floor(p / 64)
                         for p, g in zip(prompt_lens, generated))  # fmt: skip
     result = per_rank[0]
+    config = moira.moira_config_from_env()
     layers = max(result["layers"], 1)
     record = {
         "command": "python " + " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name(),
         "model": os.path.basename(a.model.rstrip("/")),
         "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
-        "estimator": moira.moira_config_from_env().estimator,
-        "summary_dtype": moira.moira_config_from_env().summary_dtype,
+        "estimator": config.estimator,
+        "summary_dtype": config.summary_dtype,
         "prompt_lens": prompt_lens,
         "generated": generated,
         "engine_init_s": round(engine_s, 1),
