@@ -64,7 +64,7 @@ def bench_command(args, base: str, concurrency: int, result_dir: str, name: str)
         "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
         "--save-result", "--result-dir", result_dir, "--result-filename", name,
         "--disable-tqdm",
-    ]  # fmt: skip
+    ] + (["--save-detailed"] if args.detailed else [])  # fmt: skip
 
 
 def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
@@ -127,6 +127,12 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
                     "server_command": command,
                     "bench_command": " ".join(bench),
                 }
+                if args.detailed:
+                    # Per request, in the order sent: where a TTFT difference
+                    # between arms comes from (a shift of every request, or of
+                    # the later ones only).
+                    row["input_lens"] = result.get("input_lens")
+                    row["ttfts_s"] = result.get("ttfts")
                 record["rows"].append(row)
                 save()
                 log(f"[{arm}] c={concurrency}: {row['output_tok_s']:.1f} tok/s, "
@@ -153,6 +159,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--port", type=int, default=8041)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--detailed", action="store_true",
+                   help="also record each request's input length and TTFT")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=570.0, help="whole invocation")
     p.add_argument("--log-dir", default=tempfile.gettempdir())
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")

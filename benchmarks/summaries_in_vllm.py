@@ -15,6 +15,11 @@ and was not summarized makes that count fall short; one summarized from the
 wrong keys differs beyond rounding; the writer and Estimate run on the same
 warps, so the summaries should be equal bit for bit ("mismatched").
 
+It also counts the Triton kernels compiled after the engine is ready (the
+engine runs in this process): Moira's kernels are compiled at KV-cache bind
+time and in graph capture, so none should compile inside a request's step
+(there, a compilation stalls every running request; seconds on a cold cache).
+
     python benchmarks/summaries_in_vllm.py --out OUT.json
 """
 
@@ -28,6 +33,41 @@ import sys
 import time
 
 MODEL_DEFAULT = "shared/gpu/models/Llama-3.1-8B"
+
+
+class CompileLog:
+    """Triton compilations (cache misses of a JIT function) with their wall time,
+    through Triton's jit_cache_hook / jit_post_compile_hook."""
+
+    def __init__(self) -> None:
+        import triton
+
+        self.knobs = triton.knobs.runtime
+        self.events: list[dict] = []
+        self.phase = "ready"
+        self._started: dict[str, float] = {}
+
+    def __enter__(self) -> CompileLog:
+        self._saved = (self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook)
+        self.knobs.jit_cache_hook = self._before
+        self.knobs.jit_post_compile_hook = self._after
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = self._saved
+
+    def _before(self, *, key, fn, **_):
+        self._started[str(key)] = time.time()
+        return None
+
+    def _after(self, *, key, fn, **_):
+        start = self._started.pop(str(key), time.time())
+        self.events.append({"phase": self.phase, "kernel": fn.name,
+                            "seconds": round(time.time() - start, 3)})  # fmt: skip
+        return None
+
+    def moira(self, phase: str) -> list[dict]:
+        return [e for e in self.events if e["phase"] == phase and "moira" in e["kernel"]]
 
 
 def main() -> int:
@@ -65,8 +105,11 @@ def main() -> int:
     print(f"engine ready in {engine_s:.0f} s", flush=True)
     # Whatever warmup and capture summarized (expected: nothing; seq_lens of
     # dummy steps stay below a page).
+    compiles = CompileLog().__enter__()
+    compiles.phase = "check_before_run"
     before = llm.collective_rpc(moira.rpc_check_summaries)
     print("before the run:", before, flush=True)
+    compiles.phase = "generate"
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=n).tolist()}
@@ -76,6 +119,8 @@ def main() -> int:
     t0 = time.time()
     outputs = llm.generate(prompts, sp, use_tqdm=False)
     gen_s = time.time() - t0
+    compiles.__exit__()
+    print("Triton compilations after engine start:", compiles.events, flush=True)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     per_rank = llm.collective_rpc(moira.rpc_check_summaries)
     expected = sum(math.floor((p + g - 1) / 64) for p, g in zip(prompt_lens, generated))
@@ -102,12 +147,15 @@ def main() -> int:
         "summarized_pages_per_layer": result["pages"] / layers,
         "mismatched_pages": result["mismatched"],
         "pages_beyond_rounding": result["beyond_rounding"],
+        "triton_compiles_after_ready": compiles.events,
+        "moira_compiles_during_generate": compiles.moira("generate"),
     }
     # Pages summarized before the run (warmup, capture) would still count.
     record["passed"] = (
         result["layers"] > 0
         and result["mismatched"] == 0
         and result["pages"] == expected * result["layers"] + before[0]["pages"]
+        and not record["moira_compiles_during_generate"]
     )
     with open(a.out, "w") as f:
         f.write(json.dumps(record, indent=1) + "\n")

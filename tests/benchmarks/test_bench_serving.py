@@ -22,7 +22,7 @@ def test_sets_span_the_paper_ranges(name, low, high):
 
 def test_bench_command_fixes_output_length_and_prompt_count():
     args = types.SimpleNamespace(set="A", model="M", tokenizer="T", output_len=1024, waves=2,
-                                 min_prompts=4, seed=0)  # fmt: skip
+                                 min_prompts=4, seed=0, detailed=False)  # fmt: skip
     cmd = bs.bench_command(args, "http://127.0.0.1:1", 16, "/tmp/r", "x.json")
     value = {flag: cmd[i + 1] for i, flag in enumerate(cmd[:-1]) if flag.startswith("--")}
     assert value["--num-prompts"] == "32" and value["--max-concurrency"] == "16"
@@ -30,6 +30,9 @@ def test_bench_command_fixes_output_length_and_prompt_count():
     assert json.loads(value["--random-range-ratio"]) == {"input": 0.8823, "output": 0.0}
     low = bs.bench_command(args, "http://127.0.0.1:1", 1, "/tmp/r", "y.json")
     assert low[low.index("--num-prompts") + 1] == "4"  # min_prompts
+    assert "--save-detailed" not in cmd
+    args.detailed = True  # per-request TTFTs
+    assert "--save-detailed" in bs.bench_command(args, "http://127.0.0.1:1", 16, "/tmp/r", "z")
 
 
 def test_moira_env_parser():

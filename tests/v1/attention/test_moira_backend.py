@@ -545,6 +545,33 @@ def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):
     assert seen == {"decode": True}
 
 
+def test_bind_kv_cache_extras_warms_up_the_summary_writer(builder, monkeypatch):
+    # The writer is compiled when the KV cache is bound (before capture and the
+    # first request), on that layer's cache and summaries; a KV-sharing layer
+    # writes no summaries and warms nothing.
+    from vllm.config import set_current_vllm_config
+
+    mod = moira_module()
+    seen = []
+    monkeypatch.setattr(mod, "warm_up_summary_writer", lambda kv, s: seen.append((kv, s)))
+    kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
+    with set_current_vllm_config(builder.vllm_config):
+        impl = mod.MoiraImpl(**_IMPL_ARGS)
+        sharing = mod.MoiraImpl(**_IMPL_ARGS, kv_sharing_target_layer_name="layers.0")
+    impl.bind_kv_cache_extras(None, kv_cache)
+    sharing.bind_kv_cache_extras(None, kv_cache)
+    assert len(seen) == 1 and seen[0][0] is kv_cache and seen[0][1] is impl._summaries
+    impl.release_kv_cache_extras(None)
+    sharing.release_kv_cache_extras(None)
+
+
+def test_warm_up_summary_writer_is_a_no_op_off_the_gpu(monkeypatch):
+    mod = moira_module()
+    monkeypatch.setattr(mod, "write_page_summaries", lambda *a: pytest.fail("launched"))
+    mod.warm_up_summary_writer(torch.zeros(4, 2, 64, 128, dtype=torch.bfloat16),
+                               torch.zeros(4, 2, 3, 64, dtype=torch.int8))  # fmt: skip
+
+
 def test_forward_profiling_run_fills_zero(builder):
     from vllm.config import set_current_vllm_config
 

@@ -212,3 +212,44 @@ def test_estimate_writes_filled_pages_like_the_writer(name):
     torch.cuda.synchronize()
     assert summaries[filled].ne(0).any()
     assert torch.equal(summaries, expected)
+
+
+@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4"])
+def test_summary_writer_warm_up_covers_every_prefill_slice(name):
+    # After warm_up_summary_writer (run at KV bind time), prefill slices that
+    # start after an odd number of decode tokens (slot mapping not 16-byte
+    # aligned) compile nothing: no writer compilation inside a serving step.
+    import torch
+    import triton
+    from vllm.v1.attention.backends import moira
+
+    from benchmarks.moira_correctness import split_summary_dtype
+    from tests.v1.attention.moira_test_utils import make_kv_cache
+
+    estimator, summary_dtype = split_summary_dtype(name)
+    gen = torch.Generator().manual_seed(5)
+    kv = make_kv_cache(12, 8, 128, "token_major", generator=gen).cuda()
+    dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
+    summaries = torch.zeros(12, 8, rows, 128, dtype=dtype, device="cuda")
+    moira.warm_up_summary_writer(kv, summaries)
+    torch.cuda.synchronize()
+    assert summaries.eq(0).all()  # the warm-up writes nothing
+    compiled = []
+    hook = triton.knobs.runtime.jit_cache_hook
+
+    def record(*, fn, **_):
+        compiled.append(fn.name)
+        return hook(fn=fn, **_) if hook else None
+
+    triton.knobs.runtime.jit_cache_hook = record
+    try:
+        slots = torch.arange(64, 64 * 12, dtype=torch.int64, device="cuda")
+        for decode_tokens in (0, 1, 3, 5):  # the slice's offset in the step's slots
+            pad = torch.full((decode_tokens,), -1, dtype=torch.int64, device="cuda")
+            step = torch.cat([pad, slots])
+            moira.write_page_summaries(kv, summaries, step[decode_tokens:])
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = hook
+    assert summaries[1:].ne(0).any()
+    assert [n for n in compiled if "write_summaries" in n] == []

@@ -493,7 +493,12 @@ def _summarize_page(
         _store_summary_slot(out, scales, 1, bulk_var, HEAD_SIZE, INT8)
 
 
-@triton.jit
+# The slot mapping of a mixed step's prefill slice starts after the decode
+# tokens (8 bytes each), so its address is 16-byte aligned only for an even
+# number of them; Triton would compile a second variant of the kernel for the
+# other case, at the first such step of a serving run (one load per program:
+# alignment buys nothing).
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def kernel_moira_write_summaries(
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
     summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
@@ -582,6 +587,21 @@ def write_page_summaries(
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_dependent_launch(),
     )
+
+
+def warm_up_summary_writer(kv_cache: torch.Tensor, summaries: torch.Tensor) -> None:
+    """Compile the summary writer for this cache and summary layout now.
+
+    The writer first runs on the first request's prefill (vLLM's profiling run
+    has no attention metadata, and graph capture runs decode steps only), so
+    without this its compilation (seconds on a cold Triton cache) lands in that
+    request's first step. One launch over a padding slot (-1): it writes
+    nothing. Call outside CUDA-graph capture; a no-op off the GPU.
+    """
+    if not kv_cache.is_cuda or kv_cache.numel() == 0:
+        return
+    padding = torch.full((1,), -1, dtype=torch.int64, device=kv_cache.device)
+    write_page_summaries(kv_cache, summaries, padding)
 
 
 def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> dict[str, int]:
@@ -2687,6 +2707,10 @@ class MoiraImpl(FlashAttentionImpl):
             kv_cache, self.moira_config.summary_slots, self.moira_config.summary_dtype
         )
         self._summaries_key = summary_key(kv_cache)
+        if self.kv_sharing_target_layer_name is None:
+            # Before capture and before the first request (Triton caches the
+            # compiled kernel: the other layers' calls are plain launches).
+            warm_up_summary_writer(kv_cache, self._summaries)
 
     def release_kv_cache_extras(self, layer: torch.nn.Module) -> None:
         from vllm.v1.worker.moira_summaries import release_summaries
