@@ -66,6 +66,24 @@ class CompileLog:
                             "seconds": round(time.time() - start, 3)})  # fmt: skip
         return None
 
+    def check_hook(self) -> bool:
+        """Whether the hooks see a compilation: a kernel of a specialization
+        new to this process (a fresh constexpr) is compiled and must appear."""
+        import torch
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def kernel_hook_check(out_ptr, VALUE: tl.constexpr):
+            tl.store(out_ptr, VALUE)
+
+        phase, self.phase = self.phase, "hook_check"
+        out = torch.zeros(1, dtype=torch.int32, device="cuda")
+        kernel_hook_check[(1,)](out, int(time.time()) % 100000 + 1)
+        torch.cuda.synchronize()
+        self.phase = phase
+        return any(e["phase"] == "hook_check" for e in self.events)
+
     def moira(self, phase: str) -> list[dict]:
         return [e for e in self.events if e["phase"] == phase and "moira" in e["kernel"]]
 
@@ -119,6 +137,7 @@ def main() -> int:
     t0 = time.time()
     outputs = llm.generate(prompts, sp, use_tqdm=False)
     gen_s = time.time() - t0
+    hook_works = compiles.check_hook()
     compiles.__exit__()
     print("Triton compilations after engine start:", compiles.events, flush=True)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
@@ -149,12 +168,14 @@ def main() -> int:
         "pages_beyond_rounding": result["beyond_rounding"],
         "triton_compiles_after_ready": compiles.events,
         "moira_compiles_during_generate": compiles.moira("generate"),
+        "compile_hook_works": hook_works,
     }
     # Pages summarized before the run (warmup, capture) would still count.
     record["passed"] = (
         result["layers"] > 0
         and result["mismatched"] == 0
         and result["pages"] == expected * result["layers"] + before[0]["pages"]
+        and hook_works
         and not record["moira_compiles_during_generate"]
     )
     with open(a.out, "w") as f:

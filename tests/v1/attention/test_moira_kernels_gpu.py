@@ -11,10 +11,13 @@ default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for ATTEND_LAUNCH.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
 import pytest
+import triton
+import triton.language as tl
 
 pytestmark = pytest.mark.gpu
 
@@ -214,6 +217,15 @@ def test_estimate_writes_filled_pages_like_the_writer(name):
     assert torch.equal(summaries, expected)
 
 
+@triton.jit
+def _kernel_fresh_for_the_hook(out_ptr, VALUE: tl.constexpr):
+    # A new VALUE is a new specialization: it compiles, so the hook must see it.
+    tl.store(out_ptr, VALUE)
+
+
+_hook_check_values = itertools.count(1)
+
+
 @pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4"])
 def test_summary_writer_warm_up_covers_every_prefill_slice(name):
     # After warm_up_summary_writer (run at KV bind time), prefill slices that
@@ -249,7 +261,13 @@ def test_summary_writer_warm_up_covers_every_prefill_slice(name):
             step = torch.cat([pad, slots])
             moira.write_page_summaries(kv, summaries, step[decode_tokens:])
         torch.cuda.synchronize()
+        # The hook sees compilations: a kernel new to this process compiles.
+        value = next(_hook_check_values)
+        scratch = torch.zeros(1, dtype=torch.int32, device="cuda")
+        _kernel_fresh_for_the_hook[(1,)](scratch, value)
+        torch.cuda.synchronize()
+        assert int(scratch) == value
     finally:
         triton.knobs.runtime.jit_cache_hook = hook
     assert summaries[1:].ne(0).any()
-    assert [n for n in compiled if "write_summaries" in n] == []
+    assert compiled == ["_kernel_fresh_for_the_hook"], compiled
