@@ -4,7 +4,8 @@
 CPU only (matplotlib, Agg backend). Inputs that are missing are skipped with a
 message; every figure that can be drawn is written:
 
-  tpot_prmt_h200.json -> docs/img/tpot_speedup.png  (dense / Moira TPOT by shape)
+  tpot_prmt_h200.json + tpot_qwen_h200.json -> docs/img/tpot_speedup.png
+                     (dense / Moira TPOT by shape, Llama-3.1-8B and Qwen3-4B)
   tpot_pdl_h200.json -> docs/img/tpot_batch1.png   (batch 1 TPOT vs context)
   tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
   kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
@@ -28,6 +29,8 @@ from benchmarks.bench_tpot import speedup_rows  # noqa: E402  (pure helpers, no 
 
 #: The latest TPOT run at the five shapes (docs/benchmarks.md, "TPOT").
 TPOT_LATEST = "tpot_prmt_h200.json"
+#: Qwen3-4B at the five shapes (two calls, each shape's pair from one call).
+TPOT_QWEN_LATEST = "tpot_qwen_h200.json"
 #: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
 TPOT_BATCH1_LATEST = "tpot_pdl_h200.json"
 BREAKDOWN_PARTS = ("estimate", "select", "attend", "merge", "summaries", "fa3", "gemm", "rest")
@@ -68,6 +71,20 @@ def _speedup_series(r: dict) -> str:
     # One bar series for the fixed-count arms (each shape at its own read
     # fraction, written on the bar), one per coverage gamma.
     return "fixed count" if r.get("selector") == "fixed" else _arm_label(r)
+
+
+def join_tpot(*records: dict | None) -> dict:
+    """Rows and speedups of several TPOT records (each speedup computed within
+    its own record, i.e. from arms measured in the same run)."""
+    rows: list[dict] = []
+    speedups: list[dict] = []
+    for record in records:
+        if not record:
+            continue
+        own = record.get("rows", [])
+        rows += own
+        speedups += record.get("speedups") or speedup_rows(own)
+    return {"rows": rows, "speedups": speedups}
 
 
 def plot_tpot_speedup(data: dict, out: Path) -> Path | None:
@@ -240,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     # of its day), batch 1 from the latest run with it; the per-kernel windows
     # from tpot_h200.json.
     latest = _load(results / TPOT_LATEST) or _load(results / "tpot_h200.json")
-    if latest:
-        written.append(plot_tpot_speedup(latest, img / "tpot_speedup.png"))
+    qwen = _load(results / TPOT_QWEN_LATEST)
+    if latest or qwen:
+        written.append(plot_tpot_speedup(join_tpot(latest, qwen), img / "tpot_speedup.png"))
     batch1 = _load(results / TPOT_BATCH1_LATEST) or _load(results / "tpot_h200.json")
     if batch1:
         written.append(plot_tpot_batch1(batch1, img / "tpot_batch1.png"))

@@ -64,3 +64,19 @@ def test_serving_plot_and_missing_inputs(tmp_path, capsys):
     assert [p.name for p in img.iterdir()] == ["serving_throughput.png"]
     out = capsys.readouterr().out
     assert "tpot_h200.json not found" in out and "kernels_h200.json not found" in out
+
+
+def test_join_tpot_pairs_arms_within_each_record_only():
+    def row(model, arm, tpot):
+        return {"model": model, "batch": 4, "context": 130048, "arm": arm, "tpot_ms": tpot,
+                "selector": None if arm == "dense" else "fixed", "gamma": None,
+                "fixed_fraction": None if arm == "dense" else 0.15,
+                "reads": None if arm == "dense" else 0.15}  # fmt: skip
+
+    llama = {"rows": [row("Llama-3.1-8B", "dense", 20.0), row("Llama-3.1-8B", "moira", 10.0)]}
+    qwen = {"rows": [row("Qwen3-4B", "dense", 21.0), row("Qwen3-4B", "moira", 7.0)]}
+    moira_only = {"rows": [row("Llama-3.1-8B", "moira", 5.0)]}  # no dense arm of its own
+    joined = pr.join_tpot(llama, None, qwen, moira_only)
+    assert len(joined["rows"]) == 5
+    assert sorted((s["model"], round(s["speedup"], 3)) for s in joined["speedups"]) == [
+        ("Llama-3.1-8B", 2.0), ("Qwen3-4B", 3.0)]  # fmt: skip
