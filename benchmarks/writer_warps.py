@@ -6,9 +6,12 @@ Since decode rows' filled pages are summarized by Estimate, the prefill writer
 that both store the same bits. This times the writer on a prefill chunk's
 slot mapping (every token of ``--tokens`` tokens, so ``tokens / 64`` pages
 per KV head are summarized and the other programs exit) at Llama-3.1-8B's
-8 KV heads x D = 128, on 2 and 4 warps, in one run, next to dense FA3's
-prefill attention over the same chunk (causal, ``flash_attn_varlen_func``),
-for scale. Per layer; median of CUDA-graph replays as moira_correctness.py.
+8 KV heads x D = 128, on 2 and 4 warps and with ``--windows`` tokens per
+program (``WRITER_LAUNCH["window_tokens"]``; 1 is one program per token), in
+one run, next to dense FA3's prefill attention over the same chunk (causal,
+``flash_attn_varlen_func``), for scale. Per layer; median of CUDA-graph
+replays as moira_correctness.py. Every launch's summaries are compared with
+the tree launch's, bit for bit (``same_bits_as_tree``).
 
     python benchmarks/writer_warps.py --out OUT.json
 """
@@ -56,26 +59,37 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=8192, help="prefill chunk (tokens)")
     ap.add_argument("--warps", default="2,4")
+    ap.add_argument("--windows", default="1,16,64,256", help="tokens per writer program")
     args = ap.parse_args()
     pages = args.tokens // PAGE
     num_blocks = pages + 1  # block 0 is vLLM's null block
     kv = torch.randn(num_blocks, HKV, PAGE, 2 * D, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(PAGE, PAGE + args.tokens, device="cuda", dtype=torch.int64)
     default_warps = moira.ESTIMATE_LAUNCH["num_warps"]
+    default_window = moira.WRITER_LAUNCH["window_tokens"]
     rows = []
     for name in SUMMARIES:
         dtype_name, estimator = name.split(":")
         dtype, slot_rows = moira.summary_storage(moira.summary_slots(estimator), dtype_name)
-        summaries = torch.zeros(num_blocks, HKV, slot_rows, D, device="cuda", dtype=dtype)
+        tree = torch.zeros(num_blocks, HKV, slot_rows, D, device="cuda", dtype=dtype)
+        moira.write_page_summaries(kv, tree, slots)
         for warps in (int(w) for w in args.warps.split(",")):
-            moira.ESTIMATE_LAUNCH["num_warps"] = warps
-            try:
-                us = graph_time_us(lambda s=summaries: moira.write_page_summaries(kv, s, slots))
-            finally:
-                moira.ESTIMATE_LAUNCH["num_warps"] = default_warps
-            rows.append({"summaries": name, "num_warps": warps, "tokens": args.tokens,
-                         "pages_per_kv_head": pages, "writer_us_per_layer": us})  # fmt: skip
-            print(f"{name:22s} {warps} warps: {us:7.2f} us per layer ({pages} pages x {HKV} heads)")
+            for window in (int(w) for w in args.windows.split(",")):
+                summaries = torch.zeros_like(tree)
+                moira.ESTIMATE_LAUNCH["num_warps"] = warps
+                moira.WRITER_LAUNCH["window_tokens"] = window
+                try:
+                    moira.write_page_summaries(kv, summaries, slots)
+                    same = bool(torch.equal(summaries, tree))
+                    us = graph_time_us(lambda s=summaries: moira.write_page_summaries(kv, s, slots))
+                finally:
+                    moira.ESTIMATE_LAUNCH["num_warps"] = default_warps
+                    moira.WRITER_LAUNCH["window_tokens"] = default_window
+                rows.append({"summaries": name, "num_warps": warps, "window_tokens": window,
+                             "tokens": args.tokens, "pages_per_kv_head": pages,
+                             "writer_us_per_layer": us, "same_bits_as_tree": same})  # fmt: skip
+                print(f"{name:22s} {warps} warps, {window:4d}-token windows: {us:7.2f} us per "
+                      f"layer ({pages} pages x {HKV} heads), same bits as the tree's: {same}")  # fmt: skip
     fa3 = fa3_prefill_us(args.tokens)
     if fa3 is not None:
         print(f"dense FA3 causal prefill attention, same chunk: {fa3:.1f} us per layer")
@@ -83,6 +97,7 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name(),
         "tree_num_warps": default_warps,
+        "tree_window_tokens": default_window,
         "geometry": {"num_q_heads": HQ, "num_kv_heads": HKV, "head_size": D},
         "fa3_prefill_attention_us_per_layer": fa3,
         "rows": rows,

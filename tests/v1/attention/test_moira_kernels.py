@@ -69,6 +69,51 @@ def test_write_summaries_matches_reference(layout, head_size):
     assert torch.isnan(untouched.float()).all(), "pages that did not fill were written"
 
 
+@pytest.mark.parametrize("estimator", ["mvar", DEFAULT_ESTIMATOR])
+def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
+    # A prefill slice where requests' segments meet: three page ends within
+    # 8 tokens (blocks 6, 1, 4), a chunk that starts mid-page and fills
+    # block 3 at its 22nd token, padding, and a token count that no window
+    # size divides. Every window size summarizes exactly the pages that
+    # filled, with the same bits (one page after another where a window
+    # holds several ends, as when it is one token per program).
+    gen = torch.Generator().manual_seed(4)
+    kv = make_kv_cache(8, 2, 64, "token_major", generator=gen)
+    summary_dtype = "int8" if estimator == DEFAULT_ESTIMATOR else "bfloat16"
+    dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
+    slots = torch.cat([
+        torch.arange(6 * PAGE + 60, 6 * PAGE + 64),  # ends block 6
+        torch.tensor([1 * PAGE + 63, -1, 4 * PAGE + 63]),  # 1-token segments: blocks 1, 4
+        torch.arange(3 * PAGE + 42, 3 * PAGE + 64),  # block 3, from the middle
+        torch.arange(5 * PAGE, 5 * PAGE + 30),  # block 5, not filled
+        torch.tensor([-1, -1]),
+    ])  # fmt: skip
+    results = {}
+    for window in (1, 4, 16, 64):
+        monkeypatch.setitem(moira.WRITER_LAUNCH, "window_tokens", window)
+        summaries = torch.zeros(8, 2, rows, 64, dtype=dtype)
+        moira.write_page_summaries(kv, summaries, slots)
+        results[window] = summaries
+    filled = [1, 3, 4, 6]
+    for window, summaries in results.items():
+        assert torch.equal(summaries, results[1]), f"window_tokens={window}"
+        written = summaries.flatten(1).ne(0).any(dim=1).nonzero().flatten().tolist()
+        assert written == filled, f"window_tokens={window}"
+    if estimator == "mvar":
+        expected = ref.summarize_pages(kv, torch.tensor(filled))
+        got = results[64][filled].float()
+        assert torch.all((got - expected).abs() <= _bf16_ulp(expected) + 1e-6)
+
+
+def test_writer_window_must_be_a_power_of_two(monkeypatch):
+    kv = make_kv_cache(2, 1, 64, "token_major", generator=torch.Generator().manual_seed(0))
+    monkeypatch.setitem(moira.WRITER_LAUNCH, "window_tokens", 48)
+    with pytest.raises(ValueError, match=r"WRITER_LAUNCH\['window_tokens'\]"):
+        moira.write_page_summaries(
+            kv, torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16), torch.tensor([PAGE + 63])
+        )
+
+
 @pytest.mark.parametrize(
     ("estimator", "summary_dtype"),
     [("mvar", "bfloat16"), ("mvar_top4", "bfloat16"), (DEFAULT_ESTIMATOR, "int8")],

@@ -124,6 +124,12 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # Estimate and Select stall".
     "maxnreg": 128,
 }
+# The summary writer's launch: tokens of the slot mapping per program. A
+# window of 64 tokens of one request holds one page end, so 64 gives about
+# one program per page to summarize; a window where several requests' slices
+# meet summarizes its pages one after another. window_tokens = 1 is one
+# program per token (writer_warps.py --windows compares them).
+WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -497,13 +503,15 @@ def _summarize_page(
 # tokens (8 bytes each), so its address is 16-byte aligned only for an even
 # number of them; Triton would compile a second variant of the kernel for the
 # other case, at the first such step of a serving run (one load per program:
-# alignment buys nothing).
-@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
+# alignment buys nothing). num_tokens changes every step: not specialized
+# either (Triton specializes integers equal to 1 or divisible by 16).
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def kernel_moira_write_summaries(
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
     summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
     scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
+    num_tokens,
     stride_kv_block: tl.int64,
     stride_kv_head: tl.int64,
     stride_kv_token: tl.int64,
@@ -513,30 +521,40 @@ def kernel_moira_write_summaries(
     stride_scale_head: tl.int64,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    WINDOW_TOKENS: tl.constexpr,
     NUM_TOP: tl.constexpr = 0,
     INT8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
-    # One program per (token, KV head). Only the token that fills its page
-    # (offset PAGE_SIZE - 1) summarizes; the others exit at once. The keys are
-    # read back from the cache, so a page filled across two prefill chunks is
-    # summarized over all of its tokens (_summarize_page: the slots). The
-    # decode step does not launch it: Estimate summarizes the pages that the
-    # decode rows' new tokens fill (WRITE_FILLED_PAGE).
+    # One program per (window of WINDOW_TOKENS tokens, KV head). It summarizes
+    # the pages that its tokens fill (a token at page offset PAGE_SIZE - 1),
+    # one after another in token order: one page per window of 64 tokens of
+    # one request, more where requests' segments meet. WINDOW_TOKENS = 1 is one
+    # program per token, most of which exit at once (the earlier grid: 72 us
+    # for an 8k-token chunk, mostly those programs). The keys are read back
+    # from the cache, so a page filled across two prefill chunks is summarized
+    # over all of its tokens (_summarize_page: the slots). The decode step
+    # does not launch it: Estimate summarizes the pages that the decode rows'
+    # new tokens fill (WRITE_FILLED_PAGE).
     _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    token = tl.program_id(0)
+    window = tl.program_id(0)
     head = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token)
-    if (slot < 0) | (slot % PAGE_SIZE != PAGE_SIZE - 1):
-        return
-    block = slot // PAGE_SIZE
-    _summarize_page(
-        kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
-        summaries_ptr + block * stride_sum_block + head * stride_sum_head,
-        scales_ptr + block * stride_scale_block + head * stride_scale_head,
-        stride_kv_token, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
-    )  # fmt: skip
+    offs = tl.arange(0, WINDOW_TOKENS)
+    tokens = window * WINDOW_TOKENS + offs
+    slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1)
+    fills = (slots >= 0) & (slots % PAGE_SIZE == PAGE_SIZE - 1)
+    for _ in range(tl.sum(fills.to(tl.int32), axis=0)):
+        first = tl.min(tl.where(fills, offs, WINDOW_TOKENS), axis=0)
+        slot = tl.sum(tl.where(offs == first, slots, 0), axis=0)
+        fills = fills & (offs != first)
+        block = slot // PAGE_SIZE
+        _summarize_page(
+            kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
+            summaries_ptr + block * stride_sum_block + head * stride_sum_head,
+            scales_ptr + block * stride_scale_block + head * stride_scale_head,
+            stride_kv_token, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+        )  # fmt: skip
 
 
 def write_page_summaries(
@@ -554,7 +572,8 @@ def write_page_summaries(
     same bits: on the GPU the per-channel sums are reduced in the order of the
     warps' layout, and int8 scales keep every fp32 bit of it (measured: equal
     on 2 warps; Estimate on 4 warps and this writer on 4 were not). Graph-safe:
-    the grid is the number of tokens; no host sync.
+    the grid is the number of tokens over WRITER_LAUNCH["window_tokens"]; no
+    host sync.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -568,11 +587,19 @@ def write_page_summaries(
             f"slots (int8: plus one row of scales), got shape {tuple(summaries.shape)}"
         )
     assert kv_cache.stride(-1) == 1 and summaries.is_contiguous()
-    kernel_moira_write_summaries[(num_tokens, kv_cache.shape[1])](
+    window_tokens = WRITER_LAUNCH["window_tokens"]
+    if window_tokens & (window_tokens - 1) or not 1 <= window_tokens <= 1024:
+        raise ValueError(
+            f"WRITER_LAUNCH['window_tokens'] must be a power of two in [1, 1024], "
+            f"got {window_tokens}"
+        )
+    grid = (triton.cdiv(num_tokens, window_tokens), kv_cache.shape[1])
+    kernel_moira_write_summaries[grid](
         kv_cache,
         summaries,
         scales,
         slot_mapping,
+        num_tokens,
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
@@ -582,6 +609,7 @@ def write_page_summaries(
         scales.stride(1),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
+        WINDOW_TOKENS=window_tokens,
         NUM_TOP=num_top,
         INT8=summaries.dtype == torch.int8,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
