@@ -6,10 +6,12 @@ message; every figure that can be drawn is written:
 
   tpot_prmt_h200.json + tpot_qwen_h200.json -> docs/img/tpot_speedup.png
                      (dense / Moira TPOT by shape, Llama-3.1-8B and Qwen3-4B)
-  tpot_pdl_h200.json -> docs/img/tpot_batch1.png   (batch 1 TPOT vs context)
+  tpot_batch1_final_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
   tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
   kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
-  serving_h200.json  -> docs/img/serving_throughput.png (output tok/s vs concurrency)
+  serving_h200.json (set A) + serving_setB*_h200.json (set B)
+                     -> docs/img/serving_throughput.png (output tok/s vs concurrency,
+                        one panel per prompt set)
 
     python benchmarks/plot_results.py [--results benchmarks/results] [--img docs/img]
 """
@@ -32,7 +34,10 @@ TPOT_LATEST = "tpot_prmt_h200.json"
 #: Qwen3-4B at the five shapes (two calls, each shape's pair from one call).
 TPOT_QWEN_LATEST = "tpot_qwen_h200.json"
 #: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
-TPOT_BATCH1_LATEST = "tpot_pdl_h200.json"
+TPOT_BATCH1_LATEST = "tpot_batch1_final_h200.json"
+#: Serving runs joined into one figure: set A (two waves, concurrency 1 and 16)
+#: and set B (one wave each, concurrency 8, then 1).
+SERVING_INPUTS = ("serving_h200.json", "serving_setB_h200.json", "serving_setB_c1_h200.json")
 BREAKDOWN_PARTS = ("estimate", "select", "attend", "merge", "summaries", "fa3", "gemm", "rest")
 CV_ORDER = {"0": 0, "0.0": 0, "0.5": 1, "1": 2, "1.0": 2, "1.2": 3, "real": 4}
 
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     qwen = _load(results / TPOT_QWEN_LATEST)
     if latest or qwen:
         written.append(plot_tpot_speedup(join_tpot(latest, qwen), img / "tpot_speedup.png"))
-    batch1 = _load(results / TPOT_BATCH1_LATEST) or _load(results / "tpot_h200.json")
+    batch1 = (_load(results / TPOT_BATCH1_LATEST) or _load(results / "tpot_pdl_h200.json")
+              or _load(results / "tpot_h200.json"))  # fmt: skip
     if batch1:
         written.append(plot_tpot_batch1(batch1, img / "tpot_batch1.png"))
     tpot = _load(results / "tpot_h200.json")
@@ -269,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels = _load(results / "kernels_h200.json")
     if kernels:
         written.append(plot_kernel_spread(kernels, img / "kernel_spread.png"))
-    serving = _load(results / "serving_h200.json")
+    serving = [data for data in map(_load, (results / n for n in SERVING_INPUTS)) if data]
     if serving:
-        written.append(plot_serving(serving, img / "serving_throughput.png"))
+        joined = {"rows": [row for data in serving for row in data.get("rows", [])]}
+        written.append(plot_serving(joined, img / "serving_throughput.png"))
     for path in written:
         if path:
             print(f"wrote {path}", flush=True)

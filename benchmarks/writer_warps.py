@@ -88,8 +88,9 @@ def main() -> int:
                 rows.append({"summaries": name, "num_warps": warps, "window_tokens": window,
                              "tokens": args.tokens, "pages_per_kv_head": pages,
                              "writer_us_per_layer": us, "same_bits_as_tree": same})  # fmt: skip
-                print(f"{name:22s} {warps} warps, {window:4d}-token windows: {us:7.2f} us per "
-                      f"layer ({pages} pages x {HKV} heads), same bits as the tree's: {same}")  # fmt: skip
+                print(f"{name:22s} {warps} warps, {window:4d}-token windows: {us:7.2f} us "
+                      f"per layer ({pages} pages x {HKV} heads), same bits as the tree's: "
+                      f"{same}")  # fmt: skip
     fa3 = fa3_prefill_us(args.tokens)
     if fa3 is not None:
         print(f"dense FA3 causal prefill attention, same chunk: {fa3:.1f} us per layer")

@@ -66,6 +66,27 @@ def test_serving_plot_and_missing_inputs(tmp_path, capsys):
     assert "tpot_h200.json not found" in out and "kernels_h200.json not found" in out
 
 
+def test_serving_plot_joins_set_b_runs(tmp_path, monkeypatch):
+    res, img = tmp_path / "results", tmp_path / "img"
+    res.mkdir()
+
+    def rows(set_, c):
+        return [{"model": "Llama-3.1-8B", "set": set_, "arm": arm, "concurrency": c,
+                 "output_tok_s": tps}
+                for arm, tps in (("dense", 100.0), ("moira", 137.0))]  # fmt: skip
+
+    (res / "serving_h200.json").write_text(json.dumps({"rows": rows("A", 16)}))
+    (res / "serving_setB_h200.json").write_text(json.dumps({"rows": rows("B", 8)}))
+    (res / "serving_setB_c1_h200.json").write_text(json.dumps({"rows": rows("B", 1)}))
+    seen = {}
+    real = pr.plot_serving
+    monkeypatch.setattr(pr, "plot_serving", lambda data, out: seen.update(data) or real(data, out))
+    assert pr.main(["--results", str(res), "--img", str(img)]) == 0
+    assert sorted((r["set"], r["concurrency"]) for r in seen["rows"])[::2] == [
+        ("A", 16), ("B", 1), ("B", 8)]  # fmt: skip
+    assert (img / "serving_throughput.png").stat().st_size > 1000
+
+
 def test_join_tpot_pairs_arms_within_each_record_only():
     def row(model, arm, tpot):
         return {"model": model, "batch": 4, "context": 130048, "arm": arm, "tpot_ms": tpot,
