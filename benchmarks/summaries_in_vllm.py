@@ -17,10 +17,13 @@ warps, so the summaries should be equal bit for bit ("mismatched").
 
 It also counts the Triton kernels compiled after the engine is ready (the
 engine runs in this process): Moira's kernels are compiled at KV-cache bind
-time and in graph capture, so none should compile inside a request's step
-(there, a compilation stalls every running request; seconds on a cold cache).
+time (the writer), in the V2 runner's warm-up steps (``warmup_kernels``, real
+prefill and decode steps before capture) and in graph capture, so none should
+compile inside a request's step (there, a compilation stalls every running
+request; seconds on a cold cache). ``--enforce-eager`` runs without CUDA
+graphs, where only the warm-up steps run the decode kernels before the run.
 
-    python benchmarks/summaries_in_vllm.py --out OUT.json
+    python benchmarks/summaries_in_vllm.py --out OUT.json [--enforce-eager]
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=300, help="tokens generated per prompt")
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024,
                     help="small, so prefills are chunked and mix with decode rows")  # fmt: skip
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no CUDA graphs: every decode step runs the kernels eagerly, so only "
+                         "the runner's warm-up steps compile them before the run")  # fmt: skip
     a = ap.parse_args()
     prompt_lens = [int(x) for x in a.prompt_lens.split(",") if x]
 
@@ -110,14 +116,16 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.backends import moira
 
+    graphs: dict = {"enforce_eager": True} if a.enforce_eager else {
+        "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
+                               "cudagraph_capture_sizes": [1, 2, 4]}}  # fmt: skip
     t_start = time.time()
     llm = LLM(
         model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         block_size=64, max_model_len=max(prompt_lens) + a.gen + 64,
         max_num_seqs=len(prompt_lens), max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=False, seed=0, attention_config={"backend": "MOIRA"},
-        compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
-                            "cudagraph_capture_sizes": [1, 2, 4]},
+        **graphs,
     )  # fmt: skip
     engine_s = time.time() - t_start
     print(f"engine ready in {engine_s:.0f} s", flush=True)
@@ -157,6 +165,7 @@ def main() -> int:
         "summary_dtype": config.summary_dtype,
         "prompt_lens": prompt_lens,
         "generated": generated,
+        "enforce_eager": a.enforce_eager,
         "engine_init_s": round(engine_s, 1),
         "generate_s": round(gen_s, 1),
         "before_run": before,
