@@ -9,7 +9,10 @@ coefficient of variation (CV = std / mean) around the mean; the list is the sink
 page, n - 2 random middle pages and the current page, sorted. Every arm reads
 exactly these lists (from one KV cache per shape, head-major, shuffled blocks):
 
-  moira       moira.attend (Attend + Merge; Estimate/Select excluded)
+  moira       moira.attend (Attend + Merge; Estimate/Select excluded), with the
+              config's Attend schedule (MoiraConfig.attend_schedule)
+  moira_pages moira.attend with attend_schedule="pages": N_F blocks share the
+              step's pages evenly across lists (the other schedule, side by side)
   fa3_varlen  vLLM's FA3 flash_attn_varlen_func, every (row, KV head) its own
               sequence: Hq = G = 4 query heads, Hkv = 1, block table = the
               kept pages' (block, head) ids in a head-major cache viewed as
@@ -39,6 +42,7 @@ drawn from them (with replacement) and applied to each shape's page count.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -54,7 +58,7 @@ HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
 DEFAULT_SHAPES = "8192x32,32768x16,65536x8,131072x4"
 QUICK_SHAPES = "8192x32,131072x4"
-METHODS = ("moira", "fa3_varlen", "pad", "pow2", "dense_fa3")
+METHODS = ("moira", "moira_pages", "fa3_varlen", "pad", "pow2", "dense_fa3")
 FA3_GRAPH_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
 
 
@@ -341,6 +345,25 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
                                   page_count, moira_out, ws, scale)  # fmt: skip
         return timer(fn), {}
 
+    pages_out = torch.empty_like(shape.query)
+
+    def moira_pages_arm():
+        # us_per_layer: the tree's register cap; variants_us: every cap of
+        # --pages-maxnreg as well (each its own compile).
+        config = dataclasses.replace(args.moira_config, attend_schedule="pages")
+        ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, config, "cuda")
+        fn = lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq, page_list,
+                                  page_count, pages_out, ws, scale)  # fmt: skip
+        tree_cap = moira.ATTEND_PAGES_LAUNCH["maxnreg"]
+        variants = {}
+        try:
+            for cap in args.pages_maxnreg:
+                moira.ATTEND_PAGES_LAUNCH["maxnreg"] = cap
+                variants[f"maxnreg={cap}"] = timer(fn)
+        finally:
+            moira.ATTEND_PAGES_LAUNCH["maxnreg"] = tree_cap
+        return timer(fn), variants
+
     # fa3_varlen: each (row, KV head) its own sequence over its exact list
     fa3_out = torch.empty_like(shape.q_flat)
 
@@ -376,7 +399,8 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
         return best, times
 
     moira_ok = False
-    arms = {"moira": moira_arm, "fa3_varlen": varlen_arm, "pad": pad_arm, "pow2": pow2_arm}
+    arms = {"moira": moira_arm, "moira_pages": moira_pages_arm, "fa3_varlen": varlen_arm,
+            "pad": pad_arm, "pow2": pow2_arm}  # fmt: skip
     for method in args.methods:
         if method not in arms:
             continue
@@ -393,10 +417,11 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         row["wall_s"] = round(time.time() - t0, 2)
         moira_ok = moira_ok or (method == "moira" and "error" not in row)
-        if method == "fa3_varlen" and "error" not in row and moira_ok:
-            # same lists, same pages: FA3's output must match Attend's
+        compared = {"fa3_varlen": fa3_out, "moira_pages": pages_out}.get(method)
+        if compared is not None and "error" not in row and moira_ok:
+            # same lists, same pages: the output must match Attend's
             row["max_abs_diff_vs_moira"] = float(
-                (fa3_out.view_as(moira_out).float() - moira_out.float()).abs().max()
+                (compared.view_as(moira_out).float() - moira_out.float()).abs().max()
             )
         emit(row)
         torch.cuda.empty_cache()
@@ -450,6 +475,11 @@ def main() -> int:
         default=None,
         help="Moira's C (MoiraConfig.min_chunk_pages; default: the config's)",
     )
+    ap.add_argument(
+        "--pages-maxnreg",
+        default="",
+        help="moira_pages: also time these register caps (comma list; 'none' = ptxas's choice)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--iters", type=int, default=15, help="graph replays timed (median)")
     ap.add_argument("--seed", type=int, default=0)
@@ -463,6 +493,8 @@ def main() -> int:
         args.reps, args.iters = min(args.reps, 10), min(args.iters, 7)
     args.shapes = args.shapes or DEFAULT_SHAPES
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.pages_maxnreg = [None if c.strip() == "none" else int(c)
+                          for c in args.pages_maxnreg.split(",") if c.strip()]  # fmt: skip
 
     import torch
 
@@ -494,6 +526,8 @@ def main() -> int:
             "min_splits_total": moira_config.min_splits_total,
             "attend_fill_blocks": moira_config.attend_fill_blocks,
             "attend_fill_blocks_resolved": moira.resolve_attend_fill_blocks(moira_config, "cuda"),
+            "attend_schedule": moira_config.attend_schedule,
+            "attend_pages_maxnreg": moira.ATTEND_PAGES_LAUNCH["maxnreg"],
         },
         "notes": [
             "FlashInfer is not installed on this host: no flashinfer rows.",

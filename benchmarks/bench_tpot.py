@@ -252,6 +252,16 @@ def validate_tpot_row(row: dict) -> None:
         raise ValueError(f"row {row!r}: reads must be in (0, 1] or null")
 
 
+def _moira_config_record() -> dict | None:
+    """The backend's MoiraConfig as the engine will build it from MOIRA_*
+    (defaults included, e.g. the Attend schedule), for the record."""
+    try:
+        from vllm.v1.attention.backends import moira
+    except ImportError:  # not built into this vLLM
+        return None
+    return dataclasses.asdict(moira.moira_config_from_env())
+
+
 def rows_from_file(data: dict) -> tuple[list[dict], dict]:
     """Rows of one input of --merge: this script's JSON, or a dense JSON of
     shared/gpu/bench_dense_tpot.py ({"info", "results"})."""
@@ -752,6 +762,7 @@ def main() -> int:
         "model": model_name,
         "backend": a.backend,
         "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
+        "moira_config": _moira_config_record() if a.backend == "MOIRA" else None,
         "notes": [],
         "rows": [],
         "breakdown": [],

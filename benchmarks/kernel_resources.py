@@ -56,6 +56,8 @@ KERNEL_NAMES = (
     "kernel_moira_attend",
     "kernel_moira_merge",
 )
+#: The kernels that replace Attend and Merge under attend_schedule="pages".
+PAGE_SCHEDULE_KERNEL_NAMES = ("kernel_moira_attend_pages", "kernel_moira_merge_pages")
 #: Launch options of Triton's launcher, not kernel arguments.
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
 #: Per SM on sm_90 (H100 / H200).
@@ -103,7 +105,9 @@ def captured_launches(moira):
 
             return record
 
-    originals = {name: getattr(moira, name) for name in KERNEL_NAMES}
+    # (--src trees from before the "pages" schedule have no such kernels.)
+    names = KERNEL_NAMES + PAGE_SCHEDULE_KERNEL_NAMES
+    originals = {name: getattr(moira, name) for name in names if hasattr(moira, name)}
     dependent = moira._dependent_launch
     try:
         for name, fn in originals.items():
@@ -118,15 +122,16 @@ def captured_launches(moira):
 
 
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
-                         num_q_heads: int = 32, num_kv_heads: int = 8,
-                         head_size: int = 128) -> list:  # fmt: skip
+                         num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
+                         attend_schedule: str | None = None) -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
     the kernels' specialization allows (a few KV blocks): only shapes the
     launchers read reach the constexprs."""
     import torch
 
-    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype)
+    schedule = {"attend_schedule": attend_schedule} if attend_schedule else {}
+    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype, **schedule)
     max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
     num_blocks = 16
     kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
@@ -258,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-dtype", default=None, help="default: the backend's")
     ap.add_argument("--src", default=None, help="import vllm_moira from this directory")
     ap.add_argument("--triton-path", default=None, help="a directory holding another Triton")
+    ap.add_argument(
+        "--attend-schedule",
+        default=None,
+        help="MoiraConfig.attend_schedule (default: the config's)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     moira = _import_moira(a.src, a.triton_path)
@@ -265,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
-    launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype)
+    launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
+                                    attend_schedule=a.attend_schedule)  # fmt: skip
     rows = kernel_resources(launches)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
@@ -279,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": f"{a.rows}x{a.context}",
             "estimator": estimator,
             "summary_dtype": summary_dtype,
+            "attend_schedule": a.attend_schedule or moira.MoiraConfig().attend_schedule,
             "rows": rows,
         }
         Path(a.json).write_text(json.dumps(record, indent=1) + "\n")

@@ -6,7 +6,7 @@ message; every figure that can be drawn is written:
 
   tpot_prmt_h200.json + tpot_qwen_h200.json -> docs/img/tpot_speedup.png
                      (dense / Moira TPOT by shape, Llama-3.1-8B and Qwen3-4B)
-  tpot_batch1_final_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
+  tpot_pages_b1_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
   tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
   kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
   serving_h200.json (set A) + serving_setB*_h200.json (set B)
@@ -34,7 +34,10 @@ TPOT_LATEST = "tpot_prmt_h200.json"
 #: Qwen3-4B at the five shapes (two calls, each shape's pair from one call).
 TPOT_QWEN_LATEST = "tpot_qwen_h200.json"
 #: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
-TPOT_BATCH1_LATEST = "tpot_batch1_final_h200.json"
+TPOT_BATCH1_LATEST = "tpot_pages_b1_h200.json"
+#: Legend of the kernel-spread arms (bench_kernel_spread.py methods).
+KERNEL_METHOD_LABELS = {"moira_pages": "moira (pages, backend default)",
+                        "moira": "moira (lists, Alg. 2)"}  # fmt: skip
 #: Serving runs joined into one figure: set A (two waves, concurrency 1 and 16)
 #: and set B (one wave each, concurrency 8, then 1).
 SERVING_INPUTS = ("serving_h200.json", "serving_setB_h200.json", "serving_setB_c1_h200.json")
@@ -188,11 +191,12 @@ def plot_kernel_spread(data: dict, out: Path) -> Path | None:
         here = [r for r in rows if (r.get("context"), r.get("batch")) == (c, b)]
         cvs = sorted({str(r["cv"]) for r in here if r["cv"] is not None},
                      key=lambda v: CV_ORDER.get(v, 9))  # fmt: skip
-        for method in ("moira", "fa3_varlen", "pad", "pow2"):
+        for method in ("moira_pages", "moira", "fa3_varlen", "pad", "pow2"):
             pts = {str(r["cv"]): r["us_per_layer"] for r in here if r["method"] == method}
             xs = [i for i, cv in enumerate(cvs) if cv in pts]
             if xs:
-                ax.plot(xs, [pts[cvs[i]] for i in xs], marker="o", label=method)
+                ax.plot(xs, [pts[cvs[i]] for i in xs], marker="o",
+                        label=KERNEL_METHOD_LABELS.get(method, method))  # fmt: skip
         dense = [r["us_per_layer"] for r in here if r["method"] == "dense_fa3"]
         if dense:
             ax.axhline(dense[0], color="gray", ls="--", lw=1, label="dense FA3")

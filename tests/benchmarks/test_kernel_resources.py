@@ -55,6 +55,25 @@ def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     assert by_name["kernel_moira_attend"]["grid"][:2] == [2, 8]
 
 
+def test_page_schedule_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """attend_schedule="pages": Attend and Merge are the schedule's own
+    kernels, one Attend block per N_F (396 off the GPU), no GPU-wide fence."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "benchmarks/kernel_resources.py", "--rows", "2", "--context", "4096",
+           "--attend-schedule", "pages", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["attend_schedule"] == "pages"
+    kernels = [row["kernel"] for row in record["rows"]]
+    assert kernels == list(kr.KERNEL_NAMES[:3] + kr.PAGE_SCHEDULE_KERNEL_NAMES)
+    by_name = {row["kernel"]: row for row in record["rows"]}
+    assert by_name["kernel_moira_attend_pages"]["grid"] == [396]
+    for row in record["rows"]:
+        assert 16 <= row["registers"] <= 255 and row["gpu_fences"] == 0, row
+
+
 def test_decode_step_launches_no_writer_and_writer_shares_estimates_warps():
     # The captured decode step (kernel_resources' interception, nothing runs):
     # the writer is launched for the prefill tokens' slots only, the decode

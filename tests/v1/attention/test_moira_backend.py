@@ -209,6 +209,8 @@ def test_config_defaults():
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
     # The backend reads rows of small batches whole; the kernel API does not.
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 32768)
+    assert cfg.attend_schedule == "pages"
+    assert moira_module().MoiraConfig().attend_schedule == "lists"  # Alg. 2
     assert moira_module().MoiraConfig().dense_batch_tokens == 0
 
 
@@ -223,8 +225,10 @@ def test_config_from_env_values():
             "MOIRA_MIN_SPLITS_TOTAL": "128",
             "MOIRA_ATTEND_FILL_BLOCKS": "1",
             "MOIRA_DENSE_BATCH_TOKENS": "16384",
+            "MOIRA_ATTEND_SCHEDULE": "Lists",
         }
     )
+    assert cfg.attend_schedule == "lists"
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (1, 16384)
@@ -246,6 +250,10 @@ def test_config_from_env_values():
         ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"min_chunk_pages must be an integer >= 1"),
         ({"MOIRA_ATTEND_FILL_BLOCKS": "-1"}, r"attend_fill_blocks must be an integer >= 0"),
         ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"dense_batch_tokens must be an integer >= 0"),
+        (
+            {"MOIRA_ATTEND_SCHEDULE": "stream"},
+            r"attend_schedule must be one of \('lists', 'pages'\)",
+        ),
         ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
     ],

@@ -417,6 +417,16 @@ def test_select_rows_longer_than_4096_pages():
 # --------------------------------------------------------------------------
 # Attend + Merge, and the whole step
 # --------------------------------------------------------------------------
+def _gamma_one_step(config, seq_lens, group, head_size, layout):
+    """Moira's step (output prefilled with 7) and dense attention on one batch."""
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout)
+    ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
+    scale = head_size**-0.5
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
+    return out, ref.dense_decode(query, kv, table, seq, scale), ws
+
+
 @pytest.mark.parametrize(
     ("layout", "group", "head_size"),
     [("token_major", 1, 64), ("head_major", 3, 64), ("token_major", 4, 128),
@@ -427,12 +437,7 @@ def test_gamma_one_equals_dense(layout, group, head_size):
     # a ragged row, and a padded row (seq_len 0, must stay untouched).
     config = moira.MoiraConfig(gamma=1.0, **SMALL_SPLITS)
     seq_lens = [1, 64, 2 * PAGE, (3 * 2 + 1) * PAGE, 64 * 4 + 17, 0]
-    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout)
-    ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1], config, "cpu")
-    out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
-    scale = head_size**-0.5
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
-    dense = ref.dense_decode(query, kv, table, seq, scale)
+    out, dense, ws = _gamma_one_step(config, seq_lens, group, head_size, layout)
     for row, seq_len in enumerate(seq_lens[:-1]):
         n = math.ceil(seq_len / PAGE)
         assert ws.page_count[row].tolist() == [n, n]
@@ -609,6 +614,115 @@ def test_dense_batch_tokens_reads_short_rows_whole():
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
+# --------------------------------------------------------------------------
+# Attend's "pages" schedule: N_F blocks share the step's pages evenly
+# --------------------------------------------------------------------------
+def _page_schedule_parts(page_count, num_blocks):
+    """Parts (one per block and list it touches) of every list under the
+    "pages" schedule, computed on the host from the lengths."""
+    counts = [int(c) for c in page_count.flatten()]
+    total = sum(counts)
+    chunk = max(-(-total // num_blocks), 1)
+    parts, first = [], 0
+    for n in counts:
+        parts.append(0 if n == 0 else (first + n - 1) // chunk - first // chunk + 1)
+        first += n
+    return parts
+
+
+@pytest.mark.parametrize(
+    ("layout", "group", "head_size", "fill_blocks"),
+    [("token_major", 1, 64, 1), ("head_major", 3, 64, 3), ("token_major", 4, 128, 7),
+     ("head_major", 8, 128, 396), ("head_major", 3, 64, 10)],
+)  # fmt: skip
+def test_page_schedule_gamma_one_equals_dense(layout, group, head_size, fill_blocks):
+    """Every page kept: the "pages" schedule equals dense attention for 1, a
+    few and more blocks than pages (1-token, 1-page, ragged and padded rows),
+    and leaves the padded row untouched."""
+    config = moira.MoiraConfig(gamma=1.0, attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    seq_lens = [1, 64, 2 * PAGE, 7 * PAGE, 64 * 4 + 17, 0]
+    out, dense, _ = _gamma_one_step(config, seq_lens, group, head_size, layout)
+    torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
+                               rtol=BF16_RTOL)  # fmt: skip
+    assert torch.all(out[-1] == 7.0), "padded row was written"
+
+
+@pytest.mark.parametrize(
+    ("layout", "group", "pattern", "gamma", "fill_blocks"),
+    [("token_major", 3, "concentrated", 0.98, 5), ("head_major", 4, "outlier", 0.95, 2),
+     ("head_major", 1, "diffuse", 0.9, 16)],
+)  # fmt: skip
+def test_page_schedule_sparse_decode_matches_reference(layout, group, pattern, gamma,
+                                                       fill_blocks):  # fmt: skip
+    """The coverage rule's lists attended under the "pages" schedule equal the
+    reference step (its lists are Select's, so only Attend and Merge differ)."""
+    config = moira.MoiraConfig(gamma=gamma, attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern)
+    ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    expected, _ = ref.sparse_decode(query, kv, summaries, table, seq, 0.125, gamma,
+                                    estimator=config.estimator)  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("fill_blocks", [1, 4, 6, 40])
+def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
+    """attend() with uneven lists, empty ones among them (first, middle and
+    last list), under the "pages" schedule: each list's output equals the
+    reference over its pages, lists of no pages leave their output as it
+    was, and Attend wrote a partial slot exactly for each part of a list
+    that spans several blocks (slots start NaN)."""
+    config = moira.MoiraConfig(attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    seq_lens = [64 * 9 + 5, 64 * 3, 64 * 14]
+    kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "head_major", seed=4)
+    ws = moira.MoiraWorkspace(3, 4, 2, 64, table.shape[1], config, "cpu")
+    ws.partial_lse.fill_(float("nan"))
+    lists = [
+        [torch.tensor([], dtype=torch.long), torch.tensor([0, 2, 4, 6, 8, 9])],
+        [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.long)],
+        [torch.arange(14), torch.tensor([0, 5, 13])],
+    ]
+    page_list = torch.zeros(3, 2, table.shape[1], dtype=torch.int32)
+    page_count = torch.zeros(3, 2, dtype=torch.int32)
+    for row in range(3):
+        for h in range(2):
+            page_list[row, h, : len(lists[row][h])] = lists[row][h]
+            page_count[row, h] = len(lists[row][h])
+    out = torch.full(query.shape, 5.0, dtype=torch.bfloat16)
+    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    for row, seq_len in enumerate(seq_lens):
+        keys, values = ref.row_keys_values(kv, table[row], seq_len)
+        for h in range(2):
+            heads = slice(2 * h, 2 * h + 2)
+            if len(lists[row][h]) == 0:
+                assert torch.all(out[row, heads] == 5.0), "an empty list was written"
+                continue
+            same_list = [lists[row][h]] * 2  # the reference wants a page per head
+            expected, _ = ref.attend_pages(query[row], keys, values, same_list, seq_len, 0.125)
+            torch.testing.assert_close(out[row, heads].float(), expected[heads],
+                                       atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
+    parts = _page_schedule_parts(page_count, fill_blocks)
+    written = ws.partial_lse.view(-1, 2)[:, 0].isfinite()  # slot (block + list) x G heads
+    assert int(written.sum()) == sum(p for p in parts if p > 1)
+
+
+def test_page_schedule_equals_list_schedule_within_rounding():
+    """The two schedules attend the same lists; only the order of the online
+    softmax differs, so the outputs agree to bf16 rounding."""
+    seq_lens = [64 * 30, 64 * 3 + 9, 64 * 17, 64]
+    kv, summaries, table, seq, query = _batch(seq_lens, 2, 4, 64, "token_major", "concentrated")
+    outs = []
+    for schedule in moira.MOIRA_ATTEND_SCHEDULES:
+        config = moira.MoiraConfig(gamma=0.95, attend_schedule=schedule, attend_fill_blocks=6)
+        ws = moira.MoiraWorkspace(4, 8, 2, 64, table.shape[1], config, "cpu")
+        out = torch.empty_like(query)
+        moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+        outs.append(out.float())
+    torch.testing.assert_close(outs[0], outs[1], atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
 def test_merge_matches_reference_lse_combine():
     gen = torch.Generator().manual_seed(5)
     chunks = torch.randn(4, 3, 8, generator=gen)
@@ -637,6 +751,7 @@ def test_merge_matches_reference_lse_combine():
         (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
         (dict(attend_fill_blocks=-1), "attend_fill_blocks must be an integer >= 0"),
         (dict(dense_batch_tokens=-64), "dense_batch_tokens must be an integer >= 0"),
+        (dict(attend_schedule="even"), "attend_schedule must be one of \\('lists', 'pages'\\)"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):

@@ -155,6 +155,52 @@ def test_small_batch_dependent_launches_equal_plain_launches_bitwise(small_case)
     assert result["eager_equal_bits"] and result["graph_equal_bits"], result
 
 
+# Attend's "pages" schedule (MoiraConfig.attend_schedule; the backend's
+# default, MoiraConfig's is Alg. 2's "lists"): the same bars at the real shapes.
+def _page_schedule(**changes):
+    from vllm.v1.attention.backends import moira
+
+    return moira.MoiraConfig(attend_schedule="pages", **changes)
+
+
+def test_page_schedule_gamma_one_matches_fa3_within_one_ulp(case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_gamma_one(case, _page_schedule(gamma=1.0))
+    assert result["keeps_every_page"] and result["all_finite"], result
+    assert result["max_abs_diff_vs_fa3"] <= result["bound_one_bf16_ulp"], result
+    assert result["max_abs_diff_moira_vs_fp32"] <= (
+        1.25 * result["max_abs_diff_fa3_vs_fp32"] + 1e-4
+    ), result
+
+
+def test_page_schedule_graph_replay_equals_eager_bitwise(case):
+    from benchmarks import moira_correctness as mc
+
+    for name, result in mc.check_graph_replay(case, config=_page_schedule(gamma=0.98)).items():
+        assert result["bitwise_equal"] and result["lists_equal"], name
+
+
+def test_page_schedule_dependent_launches_equal_plain_launches_bitwise(case):
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_dependent_launches(case, config=_page_schedule(gamma=0.98))
+    assert result["eager_equal_bits"] and result["graph_equal_bits"], result
+
+
+def test_list_schedule_small_batch_gamma_one_and_graph_replay(small_case):
+    # The small-batch tests above run the backend's default ("pages"); this
+    # one runs Alg. 2's chunks per list under the backend's other settings.
+    from benchmarks import moira_correctness as mc
+
+    result = mc.check_gamma_one(small_case, _backend_config(gamma=1.0, attend_schedule="lists"))
+    assert result["keeps_every_page"] and result["all_finite"], result
+    assert result["max_abs_diff_vs_fa3"] <= result["bound_one_bf16_ulp"], result
+    config = _backend_config(attend_schedule="lists")
+    for name, result in mc.check_graph_replay(small_case, config=config).items():
+        assert result["bitwise_equal"] and result["lists_equal"], name
+
+
 def test_int8_to_fp16_by_byte_permutes_is_exact():
     # Estimate's int8 -> fp16 conversion by byte permutes (inline PTX, which
     # the CPU interpreter cannot run): every byte value, at every position of

@@ -73,6 +73,13 @@ MOIRA_SUPPORTED_HEAD_SIZES = (64, 128)
 #: Largest GQA group (query heads per KV head) the kernels support.
 MOIRA_MAX_GROUP_SIZE = 16
 MOIRA_SELECTORS = ("coverage", "fixed")
+#: How Attend divides the step's page lists among its blocks
+#: (MoiraConfig.attend_schedule). "lists": the paper's Alg. 2, J blocks per
+#: (row, KV head), each taking one chunk of its own list. "pages": N_F blocks
+#: for the whole step, each taking the same number of pages of the step's
+#: lists laid end to end (a block may finish one list and start the next), so
+#: that uneven lists leave no block with more work than another.
+MOIRA_ATTEND_SCHEDULES = ("lists", "pages")
 #: Page-mass estimators (issue 10, docs/estimator.md) -> r, the keys stored
 #: exactly per page and KV head. "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2
 #: with the REM spread term (same 2-slot summary); "mvar_top{r}": the r keys
@@ -145,6 +152,8 @@ _SELECT_SHORT_TILE_PAGES = 256
 # calls; docs/benchmarks.md, "Select's bisection pass, and Attend's launch and
 # split constants").
 SELECT_LAUNCH = {"long_lanes": 8, "long_num_warps": 16}
+# Largest tile of list lengths that attend_schedule="pages" scans at once.
+_ATTEND_MAX_LISTS_TILE = 1024
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
@@ -158,6 +167,11 @@ _MIN_DOT_ROWS = 16
 # ptxas keeps its choice. Two pages per loop step (twice the bytes in flight
 # per block) was no faster and is not in the tree.
 ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
+# attend_schedule="pages": Attend's register cap (its warps and stages are
+# ATTEND_LAUNCH's). Compiled for sm_90 (kernel_resources.py, Triton 3.6), the
+# kernel takes 226 registers on its own, so 2 blocks per SM, not the 3 that
+# N_F = 396 counts on; at 168, 3 fit with no spills.
+ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
 # Attend blocks resident per SM at ATTEND_LAUNCH (Nsight Compute, H200: 3,
 # limited by registers and shared memory alike); attend_fill_blocks = 0 aims
 # a small step at this many blocks per SM, one full wave. Measured against
@@ -209,6 +223,11 @@ class MoiraConfig:
     #: (ATTEND_BLOCKS_PER_SM per SM: 396 on an H200), so that a small step's
     #: blocks run as one wave (MoiraWorkspace.attend_fill_blocks).
     attend_fill_blocks: int = 0
+    #: Attend's division of the lists among blocks (one of
+    #: MOIRA_ATTEND_SCHEDULES): "lists" = Alg. 2 with the chunk rule above;
+    #: "pages" = N_F blocks of ceil(P / N_F) pages each across all the step's
+    #: lists (C, N_J and N_T unused).
+    attend_schedule: str = "lists"
     #: Rows with (context tokens) x (decode rows in the batch) at or below
     #: this read every page: Estimate and Select skip them (their cost is a
     #: fixed latency that reading a small batch's few pages does not repay).
@@ -263,6 +282,11 @@ class MoiraConfig:
             raise ValueError(
                 "Moira: attend_fill_blocks must be an integer >= 0 (0 = the blocks the "
                 f"GPU holds at once), got {self.attend_fill_blocks!r}"
+            )
+        if self.attend_schedule not in MOIRA_ATTEND_SCHEDULES:
+            raise ValueError(
+                f"Moira: attend_schedule must be one of {MOIRA_ATTEND_SCHEDULES}, "
+                f"got {self.attend_schedule!r}"
             )
         if not isinstance(self.dense_batch_tokens, int) or self.dense_batch_tokens < 0:
             raise ValueError(
@@ -1515,6 +1539,57 @@ def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
     return tl.maximum(chunk, 1)
 
 
+@triton.jit
+def _attend_list_pages(
+    q_row_ptr,  # [num_q_heads, HEAD_SIZE] bf16: the row's query
+    kv_head_ptr,  # [num_blocks, ., PAGE_SIZE, 2 * HEAD_SIZE] bf16: the KV head's pages
+    block_table_row_ptr,  # [max_blocks] int32: the row's block table
+    pages_ptr,  # [max_pages] int32: the (row, KV head)'s page list
+    seq_len,
+    start,
+    end,
+    scale,
+    q_heads,
+    mask_g,
+    stride_q_head,
+    stride_kv_block,
+    stride_kv_token,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    # Online softmax of the G query heads over list entries [start, end):
+    # returns the unnormalized output, the running max (base 2) and sum.
+    offs_t = tl.arange(0, PAGE_SIZE)
+    offs_d = tl.arange(0, HEAD_SIZE)
+    q = tl.load(
+        q_row_ptr + q_heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=mask_g[:, None],
+        other=0.0,
+    )
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+
+    running_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_ROWS], tl.float32)
+    acc = tl.zeros([GROUP_ROWS, HEAD_SIZE], tl.float32)
+    for i in range(start, end):
+        page = tl.load(pages_ptr + i)
+        block = tl.load(block_table_row_ptr + page).to(tl.int64)
+        mask_t = offs_t < seq_len - page * PAGE_SIZE
+        tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
+        k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(mask_t[None, :], s, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(s, axis=1))
+        p = tl.exp2(s - new_max[:, None])
+        alpha = tl.exp2(running_max - new_max)
+        running_sum = running_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        running_max = new_max
+    return acc, running_max, running_sum
+
+
 @triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_moira_attend(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
@@ -1566,39 +1641,19 @@ def kernel_moira_attend(
     seq_len = tl.load(seq_lens_ptr + row)
 
     offs_g = tl.arange(0, GROUP_ROWS)
-    offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     mask_g = offs_g < GROUP_SIZE
     q_heads = head * GROUP_SIZE + offs_g
-    q = tl.load(
-        query_ptr + row * stride_q_row + q_heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=mask_g[:, None],
-        other=0.0,
-    )
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2
-
-    running_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
-    running_sum = tl.zeros([GROUP_ROWS], tl.float32)
-    acc = tl.zeros([GROUP_ROWS, HEAD_SIZE], tl.float32)
-    pages_ptr = page_list_ptr + row * stride_pl_row + head * stride_pl_head
-    kv_head_ptr = kv_cache_ptr + head * stride_kv_head
     start = split * chunk
     end = tl.minimum(start + chunk, n)
-    for i in range(start, end):
-        page = tl.load(pages_ptr + i)
-        block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
-        mask_t = offs_t < seq_len - page * PAGE_SIZE
-        tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
-        k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-        v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(mask_t[None, :], s, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(s, axis=1))
-        p = tl.exp2(s - new_max[:, None])
-        alpha = tl.exp2(running_max - new_max)
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        running_max = new_max
+    acc, running_max, running_sum = _attend_list_pages(
+        query_ptr + row * stride_q_row,
+        kv_cache_ptr + head * stride_kv_head,
+        block_table_ptr + row * stride_bt_row,
+        page_list_ptr + row * stride_pl_row + head * stride_pl_head,
+        seq_len, start, end, scale, q_heads, mask_g, stride_q_head, stride_kv_block,
+        stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE,
+    )  # fmt: skip
 
     acc = acc / running_sum[:, None]
     if num_chunks == 1:
@@ -1616,6 +1671,216 @@ def kernel_moira_attend(
         )
         lse = (running_max + tl.log2(running_sum)) * 0.6931471805599453
         tl.store(partial_lse_ptr + part + q_heads, lse, mask=mask_g)
+
+
+@triton.jit
+def _merge_chunks(
+    partial_out_ptr,  # [num_parts, HEAD_SIZE] fp32
+    partial_lse_ptr,  # [num_parts] fp32
+    out_ptr,  # [HEAD_SIZE] bf16 (out): one query head of one row
+    first_part,
+    part_step,
+    num_chunks,
+    HEAD_SIZE: tl.constexpr,
+    TILE_CHUNKS: tl.constexpr,
+):
+    # Log-sum-exp combine of the partials first_part + j * part_step,
+    # j < num_chunks, in chunk order.
+    offs_j = tl.arange(0, TILE_CHUNKS)
+    offs_d = tl.arange(0, HEAD_SIZE)
+    running_max = float("-inf")
+    running_sum = 0.0
+    acc = tl.zeros([HEAD_SIZE], tl.float32)
+    for j0 in range(0, num_chunks, TILE_CHUNKS):
+        mask_j = j0 + offs_j < num_chunks
+        part = first_part + (j0 + offs_j) * part_step
+        lse = tl.load(partial_lse_ptr + part, mask=mask_j, other=float("-inf"))
+        out = tl.load(
+            partial_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
+            mask=mask_j[:, None],
+            other=0.0,
+        )
+        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
+        weight = tl.exp(lse - new_max)
+        alpha = tl.exp(running_max - new_max)
+        running_sum = running_sum * alpha + tl.sum(weight, axis=0)
+        acc = acc * alpha + tl.sum(out * weight[:, None], axis=0)
+        running_max = new_max
+    tl.store(out_ptr + offs_d, (acc / running_sum).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _step_pages_per_block(list_pages_ptr, num_blocks):
+    # Pages per block of the "pages" schedule: the step's list pages P over
+    # its N_F blocks, so that ceil(P / chunk) <= N_F blocks cover them.
+    return tl.maximum(tl.cdiv(tl.load(list_pages_ptr), num_blocks), 1)
+
+
+@triton.jit
+def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, position,
+                       LISTS_TILE: tl.constexpr):  # fmt: skip
+    # The list (row * num_kv_heads + head) that holds entry `position` of
+    # the step's lists laid end to end, and the position of its first entry:
+    # the lists before it are those whose running total ends at or before
+    # `position` (lengths are >= 0, so they are a prefix).
+    offs = tl.arange(0, LISTS_TILE)
+    lists_before = 0
+    pages_before = 0
+    total = 0
+    for first in range(0, num_lists, LISTS_TILE):
+        index = first + offs
+        mask = index < num_lists
+        count = tl.load(
+            page_count_ptr + (index // num_kv_heads) * stride_pc_row + index % num_kv_heads,
+            mask=mask,
+            other=0,
+        )
+        ends = total + tl.cumsum(count, axis=0)
+        before = mask & (ends <= position)
+        lists_before += tl.sum(before.to(tl.int32), axis=0)
+        pages_before += tl.sum(tl.where(before, count, 0), axis=0)
+        total += tl.sum(count, axis=0)
+    return lists_before, pages_before
+
+
+@triton.jit(do_not_specialize=["num_lists", "num_blocks"])
+def kernel_moira_attend_pages(
+    query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
+    block_table_ptr,  # [num_rows, max_blocks] int32
+    seq_lens_ptr,  # [num_rows] int32
+    page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
+    page_count_ptr,  # [max_rows, num_kv_heads] int32
+    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+    list_start_ptr,  # [max_rows * num_kv_heads] int32 (out): each list's first step position
+    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, lists of one part)
+    partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32 (out)
+    partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32 (out)
+    scale,
+    num_kv_heads,
+    num_lists,
+    num_blocks,
+    stride_q_row: tl.int64,
+    stride_q_head: tl.int64,
+    stride_kv_block: tl.int64,
+    stride_kv_head: tl.int64,
+    stride_kv_token: tl.int64,
+    stride_bt_row: tl.int64,
+    stride_pl_row: tl.int64,
+    stride_pl_head: tl.int64,
+    stride_pc_row: tl.int64,
+    stride_o_row: tl.int64,
+    stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    LISTS_TILE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
+):
+    # Block b plans its own work from device memory, like Alg. 2, but over
+    # the whole step: the step's lists laid end to end (list index = row *
+    # num_kv_heads + head) are cut into num_blocks runs of the same number
+    # of pages, and block b takes run b. A run that crosses list boundaries
+    # is attended one list part at a time. A list that lies inside one run is
+    # written to the output directly; the parts of any other list go to
+    # partial slot (b + list), which is unique because from one part to the
+    # next along the step either b or the list (or both) grows. Merge finds a
+    # list's parts from its first position (list_start).
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    block_id = tl.program_id(0)
+    list_pages = tl.load(list_pages_ptr)
+    chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
+    position = block_id * chunk
+    if position >= list_pages:
+        return
+    end = tl.minimum(position + chunk, list_pages)
+    lst, lst_first = _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads,
+                                        num_lists, position, LISTS_TILE)  # fmt: skip
+    offs_g = tl.arange(0, GROUP_ROWS)
+    offs_d = tl.arange(0, HEAD_SIZE)
+    mask_g = offs_g < GROUP_SIZE
+    while (position < end) & (lst < num_lists):
+        row = lst // num_kv_heads
+        head = lst % num_kv_heads
+        n = tl.load(page_count_ptr + row * stride_pc_row + head)
+        lo = position - lst_first
+        hi = tl.minimum(end - lst_first, n)
+        if hi > lo:
+            if lo == 0:
+                tl.store(list_start_ptr + lst, lst_first)
+            q_heads = head * GROUP_SIZE + offs_g
+            acc, running_max, running_sum = _attend_list_pages(
+                query_ptr + row * stride_q_row,
+                kv_cache_ptr + head * stride_kv_head,
+                block_table_ptr + row * stride_bt_row,
+                page_list_ptr + row * stride_pl_row + head * stride_pl_head,
+                tl.load(seq_lens_ptr + row), lo, hi, scale, q_heads, mask_g, stride_q_head,
+                stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE,
+            )  # fmt: skip
+            acc = acc / running_sum[:, None]
+            if (lo == 0) & (hi == n):
+                tl.store(
+                    output_ptr + row * stride_o_row + q_heads[:, None] * stride_o_head
+                    + offs_d[None, :],
+                    acc.to(output_ptr.dtype.element_ty),
+                    mask=mask_g[:, None],
+                )  # fmt: skip
+            else:
+                part = (block_id + lst).to(tl.int64) * GROUP_SIZE + offs_g
+                tl.store(
+                    partial_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
+                    acc,
+                    mask=mask_g[:, None],
+                )
+                lse = (running_max + tl.log2(running_sum)) * 0.6931471805599453
+                tl.store(partial_lse_ptr + part, lse, mask=mask_g)
+            position = lst_first + hi
+        lst_first += n
+        lst += 1
+
+
+@triton.jit(do_not_specialize=["num_blocks"])
+def kernel_moira_merge_pages(
+    page_count_ptr,  # [max_rows, num_kv_heads] int32
+    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+    list_start_ptr,  # [max_rows * num_kv_heads] int32: each list's first step position
+    partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32
+    partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32
+    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
+    num_blocks,
+    stride_pc_row: tl.int64,
+    stride_o_row: tl.int64,
+    stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    TILE_CHUNKS: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
+):
+    # One program per (row, query head) after kernel_moira_attend_pages: the
+    # list's parts are blocks first .. last of its run, in slots b + list.
+    # Lists inside one run were written by Attend and exit here.
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    row = tl.program_id(0)
+    q_head = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1) // GROUP_SIZE
+    head = q_head // GROUP_SIZE
+    n = tl.load(page_count_ptr + row * stride_pc_row + head)
+    if n == 0:
+        return
+    lst = row * num_kv_heads + head
+    first = tl.load(list_start_ptr + lst)
+    chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
+    first_block = first // chunk
+    num_parts = (first + n - 1) // chunk - first_block + 1
+    if num_parts <= 1:
+        return
+    first_part = (first_block + lst).to(tl.int64) * GROUP_SIZE + q_head % GROUP_SIZE
+    _merge_chunks(partial_out_ptr, partial_lse_ptr,
+                  output_ptr + row * stride_o_row + q_head * stride_o_head,
+                  first_part, GROUP_SIZE, num_parts, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
@@ -1650,31 +1915,10 @@ def kernel_moira_merge(
     num_chunks = tl.cdiv(n, chunk)
     if num_chunks <= 1:
         return
-    offs_j = tl.arange(0, TILE_CHUNKS)
-    offs_d = tl.arange(0, HEAD_SIZE)
-    base = (row * num_splits).to(tl.int64)
-    running_max = float("-inf")
-    running_sum = 0.0
-    acc = tl.zeros([HEAD_SIZE], tl.float32)
-    for j0 in range(0, num_chunks, TILE_CHUNKS):
-        mask_j = j0 + offs_j < num_chunks
-        part = (base + j0 + offs_j) * num_q_heads + q_head
-        lse = tl.load(partial_lse_ptr + part, mask=mask_j, other=float("-inf"))
-        out = tl.load(
-            partial_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
-            mask=mask_j[:, None],
-            other=0.0,
-        )
-        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
-        weight = tl.exp(lse - new_max)
-        alpha = tl.exp(running_max - new_max)
-        running_sum = running_sum * alpha + tl.sum(weight, axis=0)
-        acc = acc * alpha + tl.sum(out * weight[:, None], axis=0)
-        running_max = new_max
-    tl.store(
-        output_ptr + row * stride_o_row + q_head * stride_o_head + offs_d,
-        (acc / running_sum).to(output_ptr.dtype.element_ty),
-    )
+    first_part = (row * num_splits).to(tl.int64) * num_q_heads + q_head
+    _merge_chunks(partial_out_ptr, partial_lse_ptr,
+                  output_ptr + row * stride_o_row + q_head * stride_o_head,
+                  first_part, num_q_heads, num_chunks, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
 
 
 # ==========================================================================
@@ -1793,6 +2037,11 @@ class MoiraWorkspace:
         # Attend's partials are indexed by (row * J + j); J shrinks as the
         # batch grows (Eq. 4), so size for the largest rows * J over batches.
         max_chunks = max(b * config.num_splits(b, num_kv_heads) for b in range(1, max_num_seqs + 1))
+        if config.attend_schedule == "pages":
+            # Slots (block + list) of G query heads each: fewer than
+            # N_F + lists of them (kernel_moira_attend_pages).
+            max_lists = max_num_seqs * num_kv_heads
+            max_chunks = triton.cdiv(self.attend_fill_blocks + max_lists, num_kv_heads)
         f32, i32 = torch.float32, torch.int32
         self.logmass = torch.empty(
             max_num_seqs, num_kv_heads, group_size, max_pages, dtype=f32, device=device
@@ -1804,6 +2053,9 @@ class MoiraWorkspace:
         self.page_count = torch.zeros(max_num_seqs, num_kv_heads, dtype=i32, device=device)
         self.partial_out = torch.empty(max_chunks, num_q_heads, head_size, dtype=f32, device=device)
         self.partial_lse = torch.empty(max_chunks, num_q_heads, dtype=f32, device=device)
+        #: Under attend_schedule="pages": where each list of the step starts
+        #: when the lists are laid end to end (Attend writes, Merge reads).
+        self.list_start = torch.zeros(max_num_seqs * num_kv_heads, dtype=i32, device=device)
         #: Pages kept and pages in the rows, summed over layers and steps
         #: (Select adds to it on the device; zero it to start a window).
         self.read_stats = torch.zeros(2, dtype=torch.int64, device=device)
@@ -1833,6 +2085,7 @@ class MoiraWorkspace:
             "min_splits_per_row",
             "min_splits_total",
             "attend_fill_blocks",
+            "attend_schedule",
             "estimator",
             "summary_dtype",
         )
@@ -1860,6 +2113,7 @@ class MoiraWorkspace:
             self.page_count,
             self.partial_out,
             self.partial_lse,
+            self.list_start,
             self.read_stats,
             self.list_pages,
             self.selector_params,
@@ -1908,6 +2162,10 @@ def attend(
         list_pages = workspace.list_pages
         torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
                   out=list_pages[0])  # fmt: skip
+    if config.attend_schedule == "pages":
+        _attend_even_pages(query, kv_cache, block_table, seq_lens, page_list, page_count,
+                           list_pages, output, workspace, scale)  # fmt: skip
+        return
     kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
         query,
         kv_cache,
@@ -1923,17 +2181,7 @@ def attend(
         num_splits,
         config.min_chunk_pages,
         workspace.attend_fill_blocks,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        block_table.stride(0),
-        page_list.stride(0),
-        page_list.stride(1),
-        page_count.stride(0),
-        output.stride(0),
-        output.stride(1),
+        *_attend_strides(query, kv_cache, block_table, page_list, page_count, output),
         GROUP_SIZE=group_size,
         GROUP_ROWS=group_rows,
         HEAD_SIZE=head_size,
@@ -1952,6 +2200,81 @@ def attend(
         num_splits,
         config.min_chunk_pages,
         workspace.attend_fill_blocks,
+        page_count.stride(0),
+        output.stride(0),
+        output.stride(1),
+        GROUP_SIZE=group_size,
+        HEAD_SIZE=head_size,
+        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
+        num_warps=4,
+        **_dependent_launch(),
+    )
+
+
+def _attend_strides(query, kv_cache, block_table, page_list, page_count, output) -> tuple:
+    """The stride arguments of both Attend kernels, in their order."""
+    return (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
+            page_count.stride(0), output.stride(0), output.stride(1))  # fmt: skip
+
+
+def _attend_even_pages(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_list: torch.Tensor,
+    page_count: torch.Tensor,
+    list_pages: torch.Tensor,
+    output: torch.Tensor,
+    workspace: MoiraWorkspace,
+    scale: float,
+) -> None:
+    """attend() under attend_schedule="pages": N_F blocks share the step's
+    pages evenly, then Merge combines the lists that span several blocks."""
+    num_rows, num_q_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[1]
+    group_size = num_q_heads // num_kv_heads
+    num_lists = num_rows * num_kv_heads
+    num_blocks = workspace.attend_fill_blocks
+    # A few tile sizes (so a few compiled variants) cover every batch; the
+    # scan over the step's list lengths loops over tiles beyond 1024 lists.
+    lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
+    kernel_moira_attend_pages[(num_blocks,)](
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        page_list,
+        page_count,
+        list_pages,
+        workspace.list_start,
+        output,
+        workspace.partial_out,
+        workspace.partial_lse,
+        scale,
+        num_kv_heads,
+        num_lists,
+        num_blocks,
+        *_attend_strides(query, kv_cache, block_table, page_list, page_count, output),
+        GROUP_SIZE=group_size,
+        GROUP_ROWS=_group_rows(group_size),
+        HEAD_SIZE=head_size,
+        PAGE_SIZE=MOIRA_PAGE_SIZE,
+        LISTS_TILE=lists_tile,
+        num_warps=ATTEND_LAUNCH["num_warps"],
+        num_stages=ATTEND_LAUNCH["num_stages"],
+        **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
+        **_dependent_launch(),
+    )
+    kernel_moira_merge_pages[(num_rows, num_q_heads)](
+        page_count,
+        list_pages,
+        workspace.list_start,
+        workspace.partial_out,
+        workspace.partial_lse,
+        output,
+        num_blocks,
         page_count.stride(0),
         output.stride(0),
         output.stride(1),
@@ -2092,17 +2415,20 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
     "MOIRA_ESTIMATOR": ("estimator", str),
     "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
+    "MOIRA_ATTEND_SCHEDULE": ("attend_schedule", str),
     "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
 }
 
 
 #: Defaults of the serving backend that differ from MoiraConfig's (the kernel
-#: API's defaults are the paper's algorithm): rows of small decode batches
-#: are read whole (measured on the H200: at batch 1 up to 32k tokens the
-#: Estimate + Select latency costs more than the pages it saves;
-#: docs/benchmarks.md).
-MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {"dense_batch_tokens": 32768}
+#: API's defaults are the paper's algorithm), both measured on the H200
+#: (docs/benchmarks.md): rows of small decode batches are read whole (at
+#: batch 1 up to 32k tokens the Estimate + Select latency costs more than the
+#: pages it saves), and Attend shares the step's pages evenly among its
+#: blocks ("pages": flat in the spread of list lengths, and 3-6% off TPOT at
+#: 8k x32 and 130k x4 against Alg. 2's chunks per list).
+MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {"dense_batch_tokens": 32768, "attend_schedule": "pages"}
 
 
 def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
