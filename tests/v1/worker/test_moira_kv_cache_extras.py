@@ -270,7 +270,9 @@ def test_moira_impl_hook_end_to_end(tmp_path):
 
         kv_bytes = shared_kv.numel() * 2
         ws_bytes = ms.workspace_bytes(cfg, 4, 2, 64)
-        builder_ws = mod.MoiraWorkspace(8, 4, 2, 64, 1024 // 64, mod.MoiraConfig(), "cpu")
+        # The backend's config (its Attend schedule sizes the partials).
+        builder_ws = mod.MoiraWorkspace(8, 4, 2, 64, 1024 // 64, mod.moira_config_from_env(),
+                                        "cpu")  # fmt: skip
         assert ws_bytes == builder_ws.nbytes() > 0
         total = get_kv_cache_extras_bytes(list(ctx.values()), 2 * kv_bytes)
         assert total == 2 * summary_bytes + ws_bytes

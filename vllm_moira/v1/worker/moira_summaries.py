@@ -25,6 +25,8 @@ get the same summary buffer: the registry is keyed on the view's device,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 #: Tokens per page (one summary per page); equals MOIRA_PAGE_SIZE.
@@ -135,16 +137,27 @@ def workspace_bytes(vllm_config, num_q_heads: int, num_kv_heads: int, head_size:
         MOIRA_PAGE_SIZE,
         MoiraWorkspace,
         moira_config_from_env,
+        resolve_attend_fill_blocks,
     )
 
     max_pages = -(-vllm_config.model_config.max_model_len // MOIRA_PAGE_SIZE)
+    config = moira_config_from_env()
+    # Attend's partials under attend_schedule="pages" follow N_F, which for 0
+    # is the device's SM count: resolve it for this process's GPU, not for
+    # the meta device.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    )
+    config = dataclasses.replace(
+        config, attend_fill_blocks=resolve_attend_fill_blocks(config, device)
+    )
     ws = MoiraWorkspace(
         vllm_config.scheduler_config.max_num_seqs,
         num_q_heads,
         num_kv_heads,
         head_size,
         max_pages,
-        moira_config_from_env(),
+        config,
         torch.device("meta"),
     )
     return int(ws.nbytes())
