@@ -140,3 +140,17 @@ def make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimato
     summaries = torch.zeros(num_blocks, num_kv_heads, rows, head_size, dtype=dtype)
     moira.write_page_summaries(kv, summaries, full_page_slots(table, seq_lens))
     return kv, summaries, table, torch.tensor(seq_lens, dtype=torch.int32), query
+
+
+def pack_page_lists(lists, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend()'s (page_list [B, H_kv, max_pages], page_count [B, H_kv]) int32
+    from lists[row][head] of logical page indices (empty lists allowed)."""
+    rows, heads = len(lists), len(lists[0])
+    page_list = torch.zeros(rows, heads, max_pages, dtype=torch.int32)
+    page_count = torch.zeros(rows, heads, dtype=torch.int32)
+    for row in range(rows):
+        for head in range(heads):
+            pages = lists[row][head]
+            page_list[row, head, : len(pages)] = pages
+            page_count[row, head] = len(pages)
+    return page_list, page_count

@@ -19,6 +19,7 @@ from tests.v1.attention.moira_test_utils import (
     full_page_slots,
     make_decode_batch,
     make_kv_cache,
+    pack_page_lists,
 )
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
@@ -483,12 +484,7 @@ def test_attend_accepts_any_page_list():
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "token_major")
     ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
     lists = [[torch.tensor([0, 2, 4, 6, 8, 9])] * 2, [torch.tensor([1])] * 2]
-    page_list = torch.zeros(2, 2, table.shape[1], dtype=torch.int32)
-    page_count = torch.zeros(2, 2, dtype=torch.int32)
-    for row in range(2):
-        for h in range(2):
-            page_list[row, h, : len(lists[row][h])] = lists[row][h]
-            page_count[row, h] = len(lists[row][h])
+    page_list, page_count = pack_page_lists(lists, table.shape[1])
     out = torch.empty_like(query)
     moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
     for row, seq_len in enumerate(seq_lens):
@@ -684,12 +680,7 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
         [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.long)],
         [torch.arange(14), torch.tensor([0, 5, 13])],
     ]
-    page_list = torch.zeros(3, 2, table.shape[1], dtype=torch.int32)
-    page_count = torch.zeros(3, 2, dtype=torch.int32)
-    for row in range(3):
-        for h in range(2):
-            page_list[row, h, : len(lists[row][h])] = lists[row][h]
-            page_count[row, h] = len(lists[row][h])
+    page_list, page_count = pack_page_lists(lists, table.shape[1])
     out = torch.full(query.shape, 5.0, dtype=torch.bfloat16)
     moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
     for row, seq_len in enumerate(seq_lens):

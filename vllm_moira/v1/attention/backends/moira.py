@@ -2155,9 +2155,6 @@ def attend(
             f"max_num_seqs={workspace.max_num_seqs}"
         )
     num_kv_heads = kv_cache.shape[1]
-    group_size = num_q_heads // num_kv_heads
-    num_splits = config.num_splits(num_rows, num_kv_heads)
-    group_rows = _group_rows(group_size)
     if list_pages is None:
         list_pages = workspace.list_pages
         torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
@@ -2166,6 +2163,9 @@ def attend(
         _attend_even_pages(query, kv_cache, block_table, seq_lens, page_list, page_count,
                            list_pages, output, workspace, scale)  # fmt: skip
         return
+    group_size = num_q_heads // num_kv_heads
+    num_splits = config.num_splits(num_rows, num_kv_heads)
+    group_rows = _group_rows(group_size)
     kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
         query,
         kv_cache,
