@@ -268,10 +268,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="MoiraConfig.attend_schedule (default: the config's)",
     )
+    ap.add_argument(
+        "--estimate-launch",
+        default=None,
+        help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"int8_convert": "imma"}\'',
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     moira = _import_moira(a.src, a.triton_path)
     import triton
+
+    if a.estimate_launch:
+        moira.ESTIMATE_LAUNCH.update(json.loads(a.estimate_launch))
 
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
@@ -291,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             "estimator": estimator,
             "summary_dtype": summary_dtype,
             "attend_schedule": a.attend_schedule or moira.MoiraConfig().attend_schedule,
+            "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
             "rows": rows,
         }
         Path(a.json).write_text(json.dumps(record, indent=1) + "\n")

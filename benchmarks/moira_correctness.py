@@ -752,6 +752,10 @@ def main():
     parser.add_argument("--estimate-sweep", default=None,
                         help="JSON list of ESTIMATE_LAUNCH changes for --sweep-estimate-select "
                         "(default: ESTIMATE_SWEEP)")  # fmt: skip
+    parser.add_argument("--estimate-launch", default=None,
+                        help="JSON merged into ESTIMATE_LAUNCH before any work (every "
+                        "check and timing runs under it), e.g. "
+                        "'{\"int8_convert\": \"imma\"}'")  # fmt: skip
     parser.add_argument(
         "--no-select-sweep",
         action="store_true",
@@ -774,6 +778,11 @@ def main():
                         help="with --step-launches: comma list of N_F to time the dense-row "
                         "and fixed steps under")  # fmt: skip
     args = parser.parse_args()
+    if args.estimate_launch is not None:
+        for key, value in json.loads(args.estimate_launch).items():
+            if key not in moira.ESTIMATE_LAUNCH:
+                parser.error(f"--estimate-launch: unknown key {key!r}")
+            moira.ESTIMATE_LAUNCH[key] = value
     if args.estimate_sweep is not None:
         ESTIMATE_SWEEP[:] = json.loads(args.estimate_sweep)
     if args.attend_sweep is not None:
@@ -789,8 +798,10 @@ def main():
         parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)
     gpu = torch.cuda.get_device_name()
-    record = {"command": command, "gpu": gpu, "torch": torch.__version__, "cases": []}
-    timing = {"command": command, "gpu": gpu, "rows": []}
+    record = {"command": command, "gpu": gpu, "torch": torch.__version__,
+              "estimate_launch": dict(moira.ESTIMATE_LAUNCH), "cases": []}  # fmt: skip
+    timing = {"command": command, "gpu": gpu, "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
+              "rows": []}  # fmt: skip
     if not args.skip_timing:
         timing["d2d_copy_tbps"] = copy_bandwidth_tbps()
         print(f"device-to-device copy: {timing['d2d_copy_tbps']:.2f} TB/s", flush=True)

@@ -62,6 +62,54 @@ def test_int8_to_bf16_is_exact_for_every_byte():
 
 
 # --------------------------------------------------------------------------
+# Estimate's int8 digits of q and (s q)^2 (int8_convert = "imma")
+# --------------------------------------------------------------------------
+@triton.jit
+def _kernel_int8_digits(x_ptr, digits_ptr, step_ptr, ROWS: tl.constexpr, D: tl.constexpr):
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D)
+    x = tl.load(x_ptr + offs_r[:, None] * D + offs_d[None, :])
+    digits, step = moira._int8_digits(x, ROWS, D)
+    offs_rd = tl.arange(0, 4 * ROWS)
+    tl.store(digits_ptr + offs_rd[:, None] * D + offs_d[None, :], digits)
+    tl.store(step_ptr + offs_r[:, None] * 4 + tl.arange(0, 4)[None, :], step)
+
+
+def test_int8_digits_represent_the_rows():
+    """Each row is sum_p d_p * step_p to 2^-27 of its largest |x| (a bf16 row exactly), with
+    d_0 in [-128, 127], d_1..3 in [0, 127] and power-of-two steps 128 apart; an all-zero row
+    and one of values below 2^-96 get zero (or near-zero) digits."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [
+        torch.randn(64, generator=gen) * 3.0,  # a query row
+        (torch.randn(64, generator=gen) * 3.0) ** 2,  # (s q)^2: non-negative
+        torch.randn(64, generator=gen) * 1e4 * (torch.rand(64, generator=gen) < 0.1),  # spikes
+        torch.zeros(64),
+        torch.full((64,), -1e-30),  # below 2^-96: taken as s = 1
+        -torch.logspace(-20, 3, 64),  # wide range, all negative
+        torch.tensor([-(2.0**k) for k in range(64)]) * 2.0**-40,  # exact powers, at the edges
+        torch.randn(64, generator=gen).to(torch.bfloat16).float(),  # bf16 values
+    ]
+    x = torch.stack(rows).float()
+    digits = torch.empty(4 * x.shape[0], 64, dtype=torch.int8)
+    step = torch.empty(x.shape[0], 4)
+    _kernel_int8_digits[(1,)](x, digits, step, ROWS=x.shape[0], D=64)
+    d = digits.view(x.shape[0], 4, 64).double()
+    assert d[:, 0].min() >= -128 and d[:, 1:].min() >= 0 and d.max() <= 127
+    # Steps: powers of two, each 128 times the next.
+    assert torch.equal(torch.frexp(step)[0], torch.full_like(step, 0.5))
+    assert torch.equal(step[:, :3], step[:, 1:] * 128)
+    value = (d * step.double()[:, :, None]).sum(1)
+    err = (value - x.double()).abs().max(dim=1).values
+    absmax = x.double().abs().max(dim=1).values
+    big = absmax >= 2.0**-96
+    assert (err[big] <= absmax[big] * 2.0**-27).all()
+    assert (err[~big] <= 2.0**-21).all()
+    assert torch.equal(value[-1], x.double()[-1])  # a bf16 row exactly
+    assert torch.equal(value[3], torch.zeros(64, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------
 # Summary writer
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
@@ -119,8 +167,9 @@ def test_write_int8_summaries_of_an_all_zero_page():
     ],
 )
 # The int8 slots in fp16 (the default; by casts here, by byte permutes on the
-# GPU) and in bf16 by integer arithmetic (ESTIMATE_LAUNCH["int8_convert"]).
-@pytest.mark.parametrize("int8_convert", ["prmt", "bf16"])
+# GPU), in bf16 by integer arithmetic, and as stored against q's int8 digits
+# on the int8 tensor cores (ESTIMATE_LAUNCH["int8_convert"]).
+@pytest.mark.parametrize("int8_convert", ["prmt", "bf16", "imma"])
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
                                          int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
@@ -249,6 +298,6 @@ def test_estimate_rejects_an_unknown_int8_conversion(monkeypatch):
     ws = moira.MoiraWorkspace(1, 8, 2, 64, table.shape[1],
                               moira.MoiraConfig(estimator="mvar_top8", summary_dtype="int8"),
                               "cpu")  # fmt: skip
-    with pytest.raises(ValueError, match=r"int8_convert.*'prmt' or 'bf16'.*'fp8'"):
+    with pytest.raises(ValueError, match=r"int8_convert.*'prmt', 'bf16' or 'imma'.*'fp8'"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
                                     "mvar_top8")  # fmt: skip

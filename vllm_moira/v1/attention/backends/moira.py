@@ -120,8 +120,10 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     "num_warps": 2,
     "key_stages": 3,
     # How int8 slots meet q: "prmt", in fp16 converted by byte permutes
-    # (_int8_to_fp16; plain casts under the interpreter), or "bf16", in bf16
-    # converted by integer arithmetic (_int8_to_bf16, the earlier path).
+    # (_int8_to_fp16; plain casts under the interpreter), "bf16", in bf16
+    # converted by integer arithmetic (_int8_to_bf16, the earlier path), or
+    # "imma", as stored, on the int8 tensor cores against q cut into int8
+    # digits (_int8_digits: no conversion of the slots at all).
     "int8_convert": "prmt",
     # Register cap per thread for ptxas (None: its own choice). Estimate's
     # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
@@ -378,7 +380,20 @@ def _int8_convert_mode(name: str) -> int:
         return 0
     if name == "prmt":
         return 1 if _triton_interpreting() else 2
-    raise ValueError(f"ESTIMATE_LAUNCH['int8_convert'] must be 'prmt' or 'bf16', got {name!r}")
+    if name == "imma":
+        return 3
+    raise ValueError(
+        f"ESTIMATE_LAUNCH['int8_convert'] must be 'prmt', 'bf16' or 'imma', got {name!r}"
+    )
+
+
+def _estimate_rows(group_size: int, int8_digits: bool) -> int:
+    """Query-head columns of Estimate's [pages, heads] tiles: GROUP_ROWS for
+    bf16 products (tl.dot's 16-row minimum), G padded to a power of two and to
+    4 for int8 digit products, whose 4 digits per head fill the 16 columns."""
+    if int8_digits:
+        return max(4, triton.next_power_of_2(group_size))
+    return _group_rows(group_size)
 
 
 def _register_cap(maxnreg: int | None) -> dict[str, int]:
@@ -789,28 +804,84 @@ def _int8_to_fp16(x, PRMT: tl.constexpr):
 
 
 @triton.jit
-def _int8_slot_dot(slot, q, q_f16, INT8_CONVERT: tl.constexpr):
+def _int8_digits(x, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr):
+    # x [ROWS, HEAD_SIZE] fp32 as four int8 digits per value on a per-row
+    # power-of-two grid: x = sum_p d_p * step_p + r, step_p = s * 128^-p,
+    # d_0 in [-128, 127], d_1..3 in [0, 127], 0 <= r < s * 2^-21, with s =
+    # 2^(E - 6) for the row's largest |x| in [2^E, 2^(E+1)). Every step is an
+    # exact power of two built from exponent bits (no division, no exp2), so
+    # x / step_p and its floor are exact and so is each digit: a bf16 query
+    # is represented exactly down to 2^-27 of its largest value. Returns the
+    # digits [ROWS * 4, HEAD_SIZE] int8 (row r's digit p at row 4 r + p) and
+    # step [ROWS, 4] fp32. All-zero rows get s = 1 (digits 0).
+    absmax = tl.max(tl.abs(x), axis=1)
+    exponent = (absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # Rows whose largest |x| is below 2^-96 (0 included) take s = 1: their
+    # values are then represented within 2^-21 (no 2^127 overflow below).
+    exponent = tl.where(exponent > 30, exponent, 133)
+    s = ((exponent - 6) << 23).to(tl.float32, bitcast=True)
+    inv_s = ((254 - (exponent - 6)) << 23).to(tl.float32, bitcast=True)
+    p = tl.arange(0, 4)
+    shift = tl.where(p == 0, 1.0, tl.where(p == 1, 128.0, tl.where(p == 2, 16384.0, 2097152.0)))
+    inv_shift = tl.where(
+        p == 0, 1.0, tl.where(p == 1, 2.0**-7, tl.where(p == 2, 2.0**-14, 2.0**-21))
+    )
+    step = s[:, None] * inv_shift[None, :]  # products of powers of two: exact
+    inv_step = inv_s[:, None] * shift[None, :]
+    x3 = x[:, None, :]
+    whole = tl.floor(x3 * inv_step[:, :, None])
+    above = tl.where(
+        p[None, :, None] > 0, 128.0 * tl.floor(x3 * (inv_step[:, :, None] * 0.0078125)), 0.0
+    )
+    digits = (whole - above).to(tl.int8)
+    return tl.reshape(digits, [ROWS * 4, HEAD_SIZE]), step
+
+
+@triton.jit
+def _int8_digit_dot(slot, digits, step, TILE_PAGES: tl.constexpr, ROWS: tl.constexpr):
+    # [TILE_PAGES, HEAD_SIZE] int8 slot values times the int8 digits of q (or
+    # (s q)^2) on the int8 tensor cores: one int32 product of 4 x ROWS columns,
+    # exact (|sum| < 128 * 127 * 128 < 2^24, so also in fp32), then each head's
+    # four digit products scaled by their steps and summed: [TILE_PAGES, ROWS]
+    # fp32, before the slot's scale.
+    acc = tl.dot(slot, tl.trans(digits), out_dtype=tl.int32).to(tl.float32)
+    acc = tl.reshape(acc, [TILE_PAGES, ROWS, 4])
+    return tl.sum(acc * step[None, :, :], axis=2)
+
+
+@triton.jit
+def _int8_slot_dot(
+    slot, q, q_f16, q_digits, q_step, TILE_PAGES: tl.constexpr, EST_ROWS: tl.constexpr,
+    INT8_CONVERT: tl.constexpr,
+):  # fmt: skip
     # [TILE_PAGES, HEAD_SIZE] int8 slot values times q^T on the tensor cores:
-    # [TILE_PAGES, GROUP_ROWS] fp32, before the slot's scale. INT8_CONVERT:
-    # 0 = bf16 (_int8_to_bf16), 1 = fp16 by casts, 2 = fp16 by byte permutes.
+    # [TILE_PAGES, EST_ROWS] fp32, before the slot's scale. INT8_CONVERT:
+    # 0 = bf16 (_int8_to_bf16), 1 = fp16 by casts, 2 = fp16 by byte permutes,
+    # 3 = the slot as stored against q's int8 digits (_int8_digit_dot).
     if INT8_CONVERT == 0:
         return tl.dot(_int8_to_bf16(slot), tl.trans(q))
+    elif INT8_CONVERT == 3:
+        return _int8_digit_dot(slot, q_digits, q_step, TILE_PAGES, EST_ROWS)
     else:
         return tl.dot(_int8_to_fp16(slot, INT8_CONVERT == 2), tl.trans(q_f16))
 
 
 @triton.jit
 def _add_stored_key(
-    peak,  # [TILE_PAGES, GROUP_ROWS] fp32 running max of the page's log-terms
-    total,  # [TILE_PAGES, GROUP_ROWS] fp32 running sum of exp(term - peak)
+    peak,  # [TILE_PAGES, EST_ROWS] fp32 running max of the page's log-terms
+    total,  # [TILE_PAGES, EST_ROWS] fp32 running sum of exp(term - peak)
     summary,  # [TILE_PAGES, 1] pointers to the pages' summaries
     page_scales,  # [TILE_PAGES] pointers to the pages' slot scales (if INT8)
     j,  # stored key index (slot 2 + j)
     q,
     q_f16,
+    q_digits,
+    q_step,
     scale,
     mask_p,
     HEAD_SIZE: tl.constexpr,
+    TILE_PAGES: tl.constexpr,
+    EST_ROWS: tl.constexpr,
     INT8: tl.constexpr,
     INT8_CONVERT: tl.constexpr,
 ):
@@ -818,7 +889,8 @@ def _add_stored_key(
     offs_d = tl.arange(0, HEAD_SIZE)
     key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
     if INT8:
-        logit = _int8_slot_dot(key, q, q_f16, INT8_CONVERT) * scale
+        logit = _int8_slot_dot(key, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
+        logit = logit * scale
         logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
     else:
         logit = tl.dot(key, tl.trans(q)) * scale
@@ -833,6 +905,10 @@ def _summary_tile_logmass(
     q_f16,  # [GROUP_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT > 0)
     q_sq_hi,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
     q_sq_lo,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
+    q_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: q's digits (if INT8_CONVERT == 3)
+    q_step,  # [EST_ROWS, 4] fp32: their steps
+    sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8_CONVERT == 3)
+    sq_step,  # [EST_ROWS, 4] fp32: their steps
     scale,
     summaries_ptr,
     scales_ptr,
@@ -844,7 +920,7 @@ def _summary_tile_logmass(
     stride_sum_head,
     stride_scale_block,
     stride_scale_head,
-    GROUP_ROWS: tl.constexpr,
+    EST_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
@@ -855,7 +931,7 @@ def _summary_tile_logmass(
     INT8_CONVERT: tl.constexpr,
 ):
     # The summary estimate of one tile of pages, all G query heads at once on
-    # the tensor cores: [TILE_PAGES, GROUP_ROWS] fp32. Products of bf16 values
+    # the tensor cores: [TILE_PAGES, EST_ROWS] fp32. Products of bf16 values
     # are exact in the fp32 accumulator, so the mean term is fp32-exact up to
     # summation order; (s q)^2 is split into two bf16 parts (hi + lo) so the
     # spread term keeps ~16 significant bits. INT8 summaries: the int8 values
@@ -863,7 +939,10 @@ def _summary_tile_logmass(
     # and scaled by the slot's fp32 scale afterwards (one multiply per page);
     # the mean and the stored keys meet q in fp16 (INT8_CONVERT > 0; exact for
     # |q| in [2^-17, 65504], so the products are the bf16 ones) or bf16, the
-    # variance meets the bf16 parts of (s q)^2.
+    # variance meets the bf16 parts of (s q)^2. INT8_CONVERT == 3: every int8
+    # slot, the variance too, meets the int8 digits of q or (s q)^2 as stored
+    # (_int8_digits: exact to 2^-27 of the row's largest value), one int32
+    # product per slot with all heads' digits in its 16+ columns.
     offs_d = tl.arange(0, HEAD_SIZE)
     blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
     summary = (
@@ -878,16 +957,20 @@ def _summary_tile_logmass(
         )
         mean_scale = tl.load(page_scales, mask=mask_p, other=0.0)[:, None]
         var_scale = tl.load(page_scales + 1, mask=mask_p, other=0.0)[:, None]
-        var = _int8_to_bf16(var)
 
-    # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, GROUP_ROWS]
+    # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, EST_ROWS]
     if INT8:
-        est = _int8_slot_dot(mean, q, q_f16, INT8_CONVERT) * scale * mean_scale
+        est = _int8_slot_dot(mean, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
+        est = est * scale * mean_scale
+        if INT8_CONVERT == 3:
+            v = _int8_digit_dot(var, sq_digits, sq_step, TILE_PAGES, EST_ROWS)
+        else:
+            var = _int8_to_bf16(var)
+            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
+        v = v * var_scale
     else:
         est = tl.dot(mean, tl.trans(q)) * scale
-    v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-    if INT8:
-        v = v * var_scale
+        v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
     if REM_SPREAD:
         # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of the
         # random energy model over the m = 64 - r summarized keys, v / 2 up to
@@ -903,7 +986,7 @@ def _summary_tile_logmass(
         # logaddexp of the bulk and the stored keys' exact logits (online:
         # running max and sum of exp relative to it).
         peak = est
-        total = tl.full([TILE_PAGES, GROUP_ROWS], 1.0, tl.float32)
+        total = tl.full([TILE_PAGES, EST_ROWS], 1.0, tl.float32)
         # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
         # keys' tiles are copied asynchronously into shared memory while this
         # key's product runs). Unrolled, each key was loaded one product ahead
@@ -913,8 +996,8 @@ def _summary_tile_logmass(
         # stored-key loop".
         for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
             peak, total = _add_stored_key(
-                peak, total, summary, page_scales, j, q, q_f16, scale, mask_p,
-                HEAD_SIZE, INT8, INT8_CONVERT,
+                peak, total, summary, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
+                HEAD_SIZE, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
             )  # fmt: skip
         est = peak + tl.log(total)
     return est
@@ -947,6 +1030,7 @@ def kernel_moira_estimate(
     stride_lm_group: tl.int64,
     GROUP_SIZE: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
+    EST_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
@@ -1006,41 +1090,61 @@ def kernel_moira_estimate(
     if idle:
         return
     offs_d = tl.arange(0, HEAD_SIZE)
-    offs_g = tl.arange(0, GROUP_ROWS)
-    mask_g = offs_g < GROUP_SIZE
-    q = tl.load(
-        query_ptr
-        + row * stride_q_row
-        + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
-        + offs_d[None, :],
-        mask=mask_g[:, None],
-        other=0.0,
-    )
+    q_heads = query_ptr + row * stride_q_row + head * GROUP_SIZE * stride_q_head
     lm_row = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     if z >= 2:
-        q_scaled = q.to(tl.float32) * scale
+        # The tile's query rows: EST_ROWS (= GROUP_ROWS unless the int8
+        # digit products pack the heads, _estimate_rows).
+        offs_e = tl.arange(0, EST_ROWS)
+        mask_e = offs_e < GROUP_SIZE
+        q_rows = tl.load(
+            q_heads + offs_e[:, None] * stride_q_head + offs_d[None, :],
+            mask=mask_e[:, None],
+            other=0.0,
+        )
+        q_scaled = q_rows.to(tl.float32) * scale
         q_sq = q_scaled * q_scaled
-        q_sq_hi = q_sq.to(tl.bfloat16)
-        q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
-        # fp16 has the range for any real query; the clamp only keeps an
-        # absurd one finite.
-        q_f16 = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        if INT8 and INT8_CONVERT == 3:
+            q_digits, q_step = _int8_digits(q_rows.to(tl.float32), EST_ROWS, HEAD_SIZE)
+            sq_digits, sq_step = _int8_digits(q_sq, EST_ROWS, HEAD_SIZE)
+            # Unused on this path.
+            q_f16 = q_rows
+            q_sq_hi = q_rows
+            q_sq_lo = q_rows
+        else:
+            q_sq_hi = q_sq.to(tl.bfloat16)
+            q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
+            # fp16 has the range for any real query; the clamp only keeps an
+            # absurd one finite.
+            q_f16 = tl.clamp(q_rows.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            # Unused on this path.
+            q_digits = q_rows
+            q_step = q_sq
+            sq_digits = q_rows
+            sq_step = q_sq
         pages = tile * TILE_PAGES + tl.arange(0, TILE_PAGES)
         # Page 0 and the current page belong to the exact programs.
         mask_p = (pages > 0) & (pages < last)
         est = _summary_tile_logmass(
-            q, q_f16, q_sq_hi, q_sq_lo, scale, summaries_ptr, scales_ptr,
-            block_table_ptr + row * stride_bt_row, pages, mask_p, head,
-            stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
-            GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
+            q_rows, q_f16, q_sq_hi, q_sq_lo, q_digits, q_step, sq_digits, sq_step, scale,
+            summaries_ptr, scales_ptr, block_table_ptr + row * stride_bt_row, pages, mask_p,
+            head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
+            EST_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
             KEY_STAGES, INT8_CONVERT,
         )  # fmt: skip
         tl.store(
-            lm_row + offs_g[None, :] * stride_lm_group + pages[:, None],
+            lm_row + offs_e[None, :] * stride_lm_group + pages[:, None],
             est,
-            mask=mask_p[:, None] & mask_g[None, :],
+            mask=mask_p[:, None] & mask_e[None, :],
         )
     else:
+        offs_g = tl.arange(0, GROUP_ROWS)
+        mask_g = offs_g < GROUP_SIZE
+        q = tl.load(
+            q_heads + offs_g[:, None] * stride_q_head + offs_d[None, :],
+            mask=mask_g[:, None],
+            other=0.0,
+        )
         # The sink page (z = 0) or the current page (z = 1), from the keys.
         page = tl.where(z == 0, 0, last)
         block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
@@ -1092,6 +1196,8 @@ def estimate_page_logmass(
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
+    int8 = summaries.dtype == torch.int8
+    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"])
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
@@ -1122,15 +1228,16 @@ def estimate_page_logmass(
         logmass.stride(2),
         GROUP_SIZE=group_size,
         GROUP_ROWS=_group_rows(group_size),
+        EST_ROWS=_estimate_rows(group_size, int8 and int8_convert == 3),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         TILE_PAGES=tile_pages,
         REM_SPREAD=estimator != "mvar",
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
-        INT8=summaries.dtype == torch.int8,
+        INT8=int8,
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
-        INT8_CONVERT=_int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"]),
+        INT8_CONVERT=int8_convert,
         RESET_LIST_PAGES=list_pages is not None,
         WRITE_FILLED_PAGE=write_filled_pages,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
