@@ -166,10 +166,11 @@ def test_write_int8_summaries_of_an_all_zero_page():
         ("mvar_top8", "token_major", 3, 64, "outlier"),
     ],
 )
-# The int8 slots in fp16 (the default; by casts here, by byte permutes on the
-# GPU), in bf16 by integer arithmetic, and as stored against q's int8 digits
-# on the int8 tensor cores (ESTIMATE_LAUNCH["int8_convert"]).
-@pytest.mark.parametrize("int8_convert", ["prmt", "bf16", "imma"])
+# The int8 slots in fp16 (by casts here, by byte permutes on the GPU), in bf16
+# by integer arithmetic, as stored against q's int8 digits on the int8 tensor
+# cores, and "auto" (the default: imma with stored keys, else prmt)
+# (ESTIMATE_LAUNCH["int8_convert"]).
+@pytest.mark.parametrize("int8_convert", ["prmt", "bf16", "imma", "auto"])
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
                                          int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
@@ -298,6 +299,15 @@ def test_estimate_rejects_an_unknown_int8_conversion(monkeypatch):
     ws = moira.MoiraWorkspace(1, 8, 2, 64, table.shape[1],
                               moira.MoiraConfig(estimator="mvar_top8", summary_dtype="int8"),
                               "cpu")  # fmt: skip
-    with pytest.raises(ValueError, match=r"int8_convert.*'prmt', 'bf16' or 'imma'.*'fp8'"):
+    with pytest.raises(ValueError, match=r"int8_convert.*'auto', 'prmt', 'bf16' or 'imma'.*'fp8'"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
                                     "mvar_top8")  # fmt: skip
+
+
+def test_auto_int8_conversion_follows_the_stored_keys():
+    # "auto": the int8 tensor-core digit products where there are stored keys (their
+    # conversions dominate), fp16 by byte permutes for mvar's two slots.
+    assert moira._int8_convert_mode("auto", 8) == moira._int8_convert_mode("imma", 8) == 3
+    assert moira._int8_convert_mode("auto", 2) == 3
+    assert moira._int8_convert_mode("auto", 0) == moira._int8_convert_mode("prmt", 0) != 3
+    assert moira.ESTIMATE_LAUNCH["int8_convert"] == "auto"

@@ -121,10 +121,16 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     "key_stages": 3,
     # How int8 slots meet q: "prmt", in fp16 converted by byte permutes
     # (_int8_to_fp16; plain casts under the interpreter), "bf16", in bf16
-    # converted by integer arithmetic (_int8_to_bf16, the earlier path), or
+    # converted by integer arithmetic (_int8_to_bf16, the earlier path),
     # "imma", as stored, on the int8 tensor cores against q cut into int8
-    # digits (_int8_digits: no conversion of the slots at all).
-    "int8_convert": "prmt",
+    # digits (_int8_digits: no conversion of the slots at all), or "auto":
+    # "imma" for estimators with stored keys, "prmt" for mvar. Measured on
+    # the H200 (same run, 4x131072 / 32x8192, us): imma took int8 mvar_top8's
+    # Estimate 34.7 -> 28.6 and 20.8 -> 16.6, mvar_top4's 24.9 -> 20.8 and
+    # 14.5 -> 12.1, but mvar's 9.8 -> 10.8 and 8.4 -> 8.9 (two slots convert
+    # cheaply; cutting q and (s q)^2 into digits costs more): docs/benchmarks.md,
+    # "Estimate's int8 slots on the int8 tensor cores".
+    "int8_convert": "auto",
     # Register cap per thread for ptxas (None: its own choice). Estimate's
     # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
     # per SM at 142 registers); at 128, 8 fit (the offline sm_90 compile spills
@@ -374,8 +380,11 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _int8_convert_mode(name: str) -> int:
-    """ESTIMATE_LAUNCH["int8_convert"] -> kernel_moira_estimate's INT8_CONVERT."""
+def _int8_convert_mode(name: str, num_top: int) -> int:
+    """ESTIMATE_LAUNCH["int8_convert"] -> kernel_moira_estimate's INT8_CONVERT
+    for an estimator with ``num_top`` stored keys."""
+    if name == "auto":
+        name = "imma" if num_top > 0 else "prmt"
     if name == "bf16":
         return 0
     if name == "prmt":
@@ -383,7 +392,7 @@ def _int8_convert_mode(name: str) -> int:
     if name == "imma":
         return 3
     raise ValueError(
-        f"ESTIMATE_LAUNCH['int8_convert'] must be 'prmt', 'bf16' or 'imma', got {name!r}"
+        f"ESTIMATE_LAUNCH['int8_convert'] must be 'auto', 'prmt', 'bf16' or 'imma', got {name!r}"
     )
 
 
@@ -1197,7 +1206,7 @@ def estimate_page_logmass(
     assert logmass.shape[2] == group_size
     tile_pages = ESTIMATE_LAUNCH["tile_pages"]
     int8 = summaries.dtype == torch.int8
-    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"])
+    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"], num_top)
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
