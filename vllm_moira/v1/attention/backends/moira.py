@@ -1060,10 +1060,15 @@ def kernel_moira_estimate(
     # path of the summary tiles, and first in launch order (z varies slowest),
     # so that they do not run as a tail after the tiles. z >= 2: the summary
     # estimate of TILE_PAGES pages (_summary_tile_logmass).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     row = tl.program_id(0)
     head = tl.program_id(1)
     z = tl.program_id(2)
+    # The row's length is host-written before the step: read before the wait,
+    # so that under a dependent launch its round trip overlaps the previous
+    # kernel's end. Nothing that kernel writes is read, and nothing is
+    # stored, before the wait.
+    seq_len = tl.load(seq_lens_ptr + row)
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     # Select (the next kernel) adds every list's length to this total, which
     # sizes Attend's chunks; one program zeroes it for the step. (The outer
     # test is a constexpr: without it the store is not compiled at all.)
@@ -1071,7 +1076,6 @@ def kernel_moira_estimate(
         if (row == 0) & (head == 0) & (z == 0):
             tl.store(list_pages_ptr, 0)
     tile = z - 2
-    seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
     if WRITE_FILLED_PAGE:
@@ -1524,25 +1528,31 @@ def kernel_moira_select(
     # Rows of < 256 pages (K_B = 8) take a small register tile, so their cost
     # does not grow with max_model_len; longer rows take the full tile
     # (LONG_LANES thresholds per pass; 1 when the row needs several tiles).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     row = tl.program_id(0)
     head = tl.program_id(1)
+    # Host-written inputs (the row's length, the selector's parameters, the
+    # request's gamma) are read before waiting for Estimate: under a
+    # dependent launch their round trip overlaps Estimate's last blocks
+    # instead of following them. Nothing Estimate writes is read, and
+    # nothing is stored, before the wait.
     seq_len = tl.load(seq_lens_ptr + row)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    count_ptr = page_count_ptr + row * stride_pc_row + head
-    if num_pages == 0:
-        tl.store(count_ptr, 0)
-        return
     # A request's own gamma (moira_gamma) wins over the server's; 0 means
     # the request did not set one. Fixed-count mode never reads gamma.
     gamma = tl.load(selector_ptr)
     if HAS_ROW_GAMMA:
         row_gamma = tl.load(row_gamma_ptr + row)
         gamma = tl.where(row_gamma > 0.0, row_gamma, gamma)
+    dense_row = _is_dense_row(num_pages, selector_ptr)
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    count_ptr = page_count_ptr + row * stride_pc_row + head
+    if num_pages == 0:
+        tl.store(count_ptr, 0)
+        return
     lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     pib_ptr = pibar_ptr + row * stride_pib_row + head * stride_pib_head
     out = page_list_ptr + row * stride_pl_row + head * stride_pl_head
-    if _is_dense_row(num_pages, selector_ptr):
+    if dense_row:
         # dense_batch_tokens: the whole row, in page order (Estimate skipped it).
         for start in range(0, num_pages, SHORT_TILE_PAGES):
             pages = start + tl.arange(0, SHORT_TILE_PAGES)
