@@ -125,11 +125,11 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # "imma", as stored, on the int8 tensor cores against q cut into int8
     # digits (_int8_digits: no conversion of the slots at all), or "auto":
     # "imma" for estimators with stored keys, "prmt" for mvar. Measured on
-    # the H200 (same run, 4x131072 / 32x8192, us): imma took int8 mvar_top8's
-    # Estimate 34.7 -> 28.6 and 20.8 -> 16.6, mvar_top4's 24.9 -> 20.8 and
-    # 14.5 -> 12.1, but mvar's 9.8 -> 10.8 and 8.4 -> 8.9 (two slots convert
-    # cheaply; cutting q and (s q)^2 into digits costs more): docs/benchmarks.md,
-    # "Estimate's int8 slots on the int8 tensor cores".
+    # the H200 (prmt -> imma in one run, 4x131072 / 32x8192, us): int8
+    # mvar_top8's Estimate 33.7 -> 28.5 and 20.3 -> 16.2, mvar_top4's 24.9 ->
+    # 20.8 and 14.5 -> 12.1, but mvar's 9.7 -> 10.8 and 8.2 -> 8.7 (two slots
+    # convert cheaply; cutting q and (s q)^2 into digits costs more there):
+    # docs/benchmarks.md, "Estimate's int8 slots on the int8 tensor cores".
     "int8_convert": "auto",
     # Register cap per thread for ptxas (None: its own choice). Estimate's
     # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
