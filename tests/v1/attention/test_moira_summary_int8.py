@@ -164,6 +164,7 @@ def test_write_int8_summaries_of_an_all_zero_page():
         ("mvar_top2", "token_major", 4, 128, "concentrated"),
         ("mvar_top4", "head_major", 8, 128, "diffuse"),
         ("mvar_top8", "token_major", 3, 64, "outlier"),
+        ("mvar_top2", "head_major", 16, 64, "outlier"),  # G = 16: 64 digit columns
     ],
 )
 # The int8 slots in fp16 (by casts here, by byte permutes on the GPU), in bf16
