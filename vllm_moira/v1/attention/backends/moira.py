@@ -837,6 +837,7 @@ def _int8_digits(x, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr):
     )
     step = s[:, None] * inv_shift[None, :]  # products of powers of two: exact
     inv_step = inv_s[:, None] * shift[None, :]
+    # d_p = floor(x / step_p) - 128 floor(x / step_{p-1}) (d_0: the first term).
     x3 = x[:, None, :]
     whole = tl.floor(x3 * inv_step[:, :, None])
     above = tl.where(
@@ -910,10 +911,10 @@ def _add_stored_key(
 
 @triton.jit
 def _summary_tile_logmass(
-    q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
-    q_f16,  # [GROUP_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT > 0)
-    q_sq_hi,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
-    q_sq_lo,  # [GROUP_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
+    q,  # [EST_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
+    q_f16,  # [EST_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT in (1, 2))
+    q_sq_hi,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
+    q_sq_lo,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
     q_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: q's digits (if INT8_CONVERT == 3)
     q_step,  # [EST_ROWS, 4] fp32: their steps
     sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8_CONVERT == 3)
