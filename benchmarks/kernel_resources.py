@@ -279,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     if a.estimate_launch:
-        moira.ESTIMATE_LAUNCH.update(json.loads(a.estimate_launch))
+        for key, value in json.loads(a.estimate_launch).items():
+            if key not in moira.ESTIMATE_LAUNCH:
+                ap.error(f"--estimate-launch: unknown key {key!r}")
+            moira.ESTIMATE_LAUNCH[key] = value
 
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
