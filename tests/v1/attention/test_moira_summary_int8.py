@@ -169,7 +169,7 @@ def test_write_int8_summaries_of_an_all_zero_page():
 )
 # The int8 slots in fp16 (by casts here, by byte permutes on the GPU), in bf16
 # by integer arithmetic, as stored against q's int8 digits on the int8 tensor
-# cores, and "auto" (the default: imma with stored keys, else prmt)
+# cores, and "auto" (the default: imma with stored keys or 64-page tiles, else prmt)
 # (ESTIMATE_LAUNCH["int8_convert"]).
 @pytest.mark.parametrize("int8_convert", ["prmt", "bf16", "imma", "auto"])
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
@@ -305,10 +305,53 @@ def test_estimate_rejects_an_unknown_int8_conversion(monkeypatch):
                                     "mvar_top8")  # fmt: skip
 
 
-def test_auto_int8_conversion_follows_the_stored_keys():
+def test_auto_int8_conversion_follows_the_stored_keys_and_the_tile():
     # "auto": the int8 tensor-core digit products where there are stored keys (their
-    # conversions dominate), fp16 by byte permutes for mvar's two slots.
-    assert moira._int8_convert_mode("auto", 8) == moira._int8_convert_mode("imma", 8) == 3
-    assert moira._int8_convert_mode("auto", 2) == 3
-    assert moira._int8_convert_mode("auto", 0) == moira._int8_convert_mode("prmt", 0) != 3
+    # conversions dominate) or where a tile of 64+ pages shares the digits of q; fp16 by
+    # byte permutes for mvar's two slots on smaller tiles.
+    assert moira._int8_convert_mode("auto", 8, 32) == moira._int8_convert_mode("imma", 8, 32) == 3
+    assert moira._int8_convert_mode("auto", 2, 32) == 3
+    assert moira._int8_convert_mode("auto", 0, 32) == moira._int8_convert_mode("prmt", 0, 32) != 3
+    assert moira._int8_convert_mode("auto", 0, 64) == 3
+    assert moira._int8_convert_mode("prmt", 0, 64) != 3
     assert moira.ESTIMATE_LAUNCH["int8_convert"] == "auto"
+
+
+def test_auto_tile_pages_per_estimator():
+    # "auto": 64 pages for the two-slot estimators on int8 summaries, 32 otherwise; an
+    # explicit size wins; anything else is refused with the allowed values.
+    assert moira.ESTIMATE_LAUNCH["tile_pages"] == "auto"
+    assert moira._estimate_tile_pages("auto", 0, True) == 64
+    assert moira._estimate_tile_pages("auto", 0, False) == 32
+    assert moira._estimate_tile_pages("auto", 8, True) == 32
+    assert moira._estimate_tile_pages(16, 0, True) == 16
+    for bad in (0, 48, "64", None):
+        with pytest.raises(ValueError, match=r"tile_pages'\] must be 'auto' or a power of two"):
+            moira._estimate_tile_pages(bad, 0, True)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "layout", "group", "head_size"),
+    [("mvar", "token_major", 4, 128), ("mvar_rem", "head_major", 3, 64)],
+)
+def test_estimate_int8_two_slots_default_launch_matches_reference(estimator, layout, group,
+                                                                  head_size):  # fmt: skip
+    # The default launch of the two-slot estimators: 64-page tiles, q's int8 digits. Rows of
+    # one page, one tile exactly (65 pages: the sink and current page exact), and three tiles.
+    seq_lens = [1, 64 * 64 + 64, 64 * 64 + 65, 64 * 150 + 3]
+    kv, summaries, table, seq, query = make_decode_batch(
+        seq_lens, 2, group, head_size, layout, estimator, "outlier", query_scale=3.0,
+        summary_dtype="int8",
+    )  # fmt: skip
+    scale = head_size**-0.5
+    ws = moira.MoiraWorkspace(4, 2 * group, 2, head_size, table.shape[1],
+                              moira.MoiraConfig(estimator=estimator, summary_dtype="int8"),
+                              "cpu")  # fmt: skip
+    ws.logmass.fill_(float("nan"))
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
+    stored = ref.read_summaries(summaries)
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        expected = ref.estimate_row_logmass(query[row], kv, stored, table[row], seq_len, scale,
+                                            estimator)  # fmt: skip
+        torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)

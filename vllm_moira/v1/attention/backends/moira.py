@@ -116,7 +116,16 @@ MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 # Select stall"; several tiles per program in one pipelined loop was slower
 # and was removed), then the register cap below took 12% off.
 ESTIMATE_LAUNCH: dict[str, Any] = {
-    "tile_pages": 32,
+    # Pages per summary program, or "auto" (_estimate_tile_pages): 32, and 64
+    # for estimators without stored keys (mvar, mvar_rem) on int8 summaries,
+    # whose two slots per page leave a 32-page program little to do besides
+    # its fixed work (q, its int8 digits, the block ids). Int8 mvar on the
+    # H200, one run, us at 4x131072 / 32x8192: 32 pages (byte permutes)
+    # 9.70 / 8.20, 64 pages with int8 digits 8.63 / 7.24 (64 with byte
+    # permutes 9.42 / 7.73; 4 warps were 8.10 / 7.53, but the summaries that
+    # Estimate writes must equal the writer's bits, measured equal on 2 warps
+    # only): docs/benchmarks.md, "A tile size per estimator".
+    "tile_pages": "auto",
     "num_warps": 2,
     "key_stages": 3,
     # How int8 slots meet q: "prmt", in fp16 converted by byte permutes
@@ -124,12 +133,14 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # converted by integer arithmetic (_int8_to_bf16, the earlier path),
     # "imma", as stored, on the int8 tensor cores against q cut into int8
     # digits (_int8_digits: no conversion of the slots at all), or "auto":
-    # "imma" for estimators with stored keys, "prmt" for mvar. Measured on
-    # the H200 (prmt -> imma in one run, 4x131072 / 32x8192, us): int8
-    # mvar_top8's Estimate 33.7 -> 28.5 and 20.3 -> 16.2, mvar_top4's 24.9 ->
-    # 20.8 and 14.5 -> 12.1, but mvar's 9.7 -> 10.8 and 8.2 -> 8.7 (two slots
-    # convert cheaply; cutting q and (s q)^2 into digits costs more there):
-    # docs/benchmarks.md, "Estimate's int8 slots on the int8 tensor cores".
+    # "imma" for estimators with stored keys and for tiles of 64 pages or
+    # more, else "prmt". Measured on the H200 (prmt -> imma in one run,
+    # 4x131072 / 32x8192, us): int8 mvar_top8's Estimate 33.7 -> 28.5 and
+    # 20.3 -> 16.2, mvar_top4's 24.9 -> 20.8 and 14.5 -> 12.1, but mvar's on
+    # 32-page tiles 9.7 -> 10.8 and 8.2 -> 8.7 (two slots convert cheaply, and
+    # each program cuts q and (s q)^2 into digits once: 64 pages share that
+    # cost, see tile_pages): docs/benchmarks.md, "Estimate's int8 slots on
+    # the int8 tensor cores".
     "int8_convert": "auto",
     # Register cap per thread for ptxas (None: its own choice). Estimate's
     # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
@@ -380,11 +391,24 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _int8_convert_mode(name: str, num_top: int) -> int:
+def _estimate_tile_pages(setting: int | str, num_top: int, int8: bool) -> int:
+    """ESTIMATE_LAUNCH["tile_pages"] -> pages per Estimate summary program for
+    an estimator with ``num_top`` stored keys on int8 (or bf16) summaries."""
+    if setting == "auto":
+        return 64 if num_top == 0 and int8 else 32
+    if not isinstance(setting, int) or setting < 16 or setting & (setting - 1):
+        raise ValueError(
+            f"ESTIMATE_LAUNCH['tile_pages'] must be 'auto' or a power of two >= 16, "
+            f"got {setting!r}"
+        )
+    return setting
+
+
+def _int8_convert_mode(name: str, num_top: int, tile_pages: int) -> int:
     """ESTIMATE_LAUNCH["int8_convert"] -> kernel_moira_estimate's INT8_CONVERT
-    for an estimator with ``num_top`` stored keys."""
+    for an estimator with ``num_top`` stored keys on tiles of ``tile_pages``."""
     if name == "auto":
-        name = "imma" if num_top > 0 else "prmt"
+        name = "imma" if num_top > 0 or tile_pages >= 64 else "prmt"
     if name == "bf16":
         return 0
     if name == "prmt":
@@ -1209,9 +1233,9 @@ def estimate_page_logmass(
     group_size = num_q_heads // num_kv_heads
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
-    tile_pages = ESTIMATE_LAUNCH["tile_pages"]
     int8 = summaries.dtype == torch.int8
-    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"], num_top)
+    tile_pages = _estimate_tile_pages(ESTIMATE_LAUNCH["tile_pages"], num_top, int8)
+    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"], num_top, tile_pages)
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
