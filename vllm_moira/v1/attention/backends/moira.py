@@ -542,7 +542,16 @@ def _summarize_page(
     # with its fp32 scale (stored keys then are quantized, not bit copies).
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
-    keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :]).to(tl.float32)
+    # One flat load of the page's keys, reshaped: the key tile's register
+    # layout, and with it the order in which its per-channel sums are reduced,
+    # then follows from this load alone. Loaded as [PAGE_SIZE, HEAD_SIZE],
+    # Triton's coalescing gave it the layout of the kernel's other memory
+    # accesses of that shape (Estimate's 64-page int8 summary tiles: 16
+    # values per thread instead of 8), and Estimate's bits differed from the
+    # writer's (an H200 test).
+    flat = tl.arange(0, PAGE_SIZE * HEAD_SIZE)
+    keys = tl.load(page_keys + (flat // HEAD_SIZE) * stride_kv_token + flat % HEAD_SIZE)
+    keys = tl.reshape(keys, (PAGE_SIZE, HEAD_SIZE)).to(tl.float32)
     mean = tl.sum(keys, axis=0) / PAGE_SIZE
     centered = keys - mean[None, :]
     if NUM_TOP == 0:
