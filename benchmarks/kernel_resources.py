@@ -56,6 +56,10 @@ KERNEL_NAMES = (
     "kernel_moira_attend",
     "kernel_moira_merge",
 )
+#: The kernels that write page summaries (the prefill writer, and Estimate for
+#: the pages that decode rows fill): their per-channel sums must be reduced in
+#: the same order (summary_sum_layouts).
+SUMMARY_KERNEL_NAMES = ("kernel_moira_write_summaries", "kernel_moira_estimate")
 #: The kernels that replace Attend and Merge under attend_schedule="pages".
 PAGE_SCHEDULE_KERNEL_NAMES = ("kernel_moira_attend_pages", "kernel_moira_merge_pages")
 #: Launch options of Triton's launcher, not kernel arguments.
@@ -227,7 +231,19 @@ def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
     return max(0, min(by_regs, by_shared, SM_MAX_BLOCKS))
 
 
-def kernel_resources(launches: list) -> list[dict]:
+def summary_sum_layouts(ttgir: str, page_size: int, head_size: int) -> list[str]:
+    """The register layouts (definitions, not names) of every fp32
+    [page_size, head_size] reduction in a kernel's TTGIR: the page summary's
+    per-channel sums. On the GPU their order of additions follows the layout,
+    so the writer's and Estimate's summaries have the same bits only if these
+    are the same in both kernels."""
+    defs = dict(re.findall(r"^(#[A-Za-z_]\w*) = (.*)$", ttgir, re.M))
+    shape = rf"tensor<{page_size}x{head_size}xf32, (#[A-Za-z_]\w*)>"
+    names = re.findall(rf"^\s*\}}\) : \({shape}\) ->", ttgir, re.M)
+    return sorted({defs.get(name, name) for name in names})
+
+
+def kernel_resources(launches: list, page_size: int = 64) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -240,6 +256,11 @@ def kernel_resources(launches: list) -> list[dict]:
                                   target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
         usage = resource_usage(compiled.asm["cubin"])
         shared = int(compiled.metadata.shared)
+        layouts = {}
+        if fn.__name__ in SUMMARY_KERNEL_NAMES:
+            layouts["summary_sum_layouts"] = summary_sum_layouts(
+                compiled.asm["ttgir"], page_size, constexprs["HEAD_SIZE"]
+            )
         rows.append({
             "kernel": fn.__name__,
             "grid": list(grid),
@@ -251,6 +272,7 @@ def kernel_resources(launches: list) -> list[dict]:
             "shared_bytes": shared,
             "blocks_per_sm": blocks_per_sm(usage["reg"], options["num_warps"], shared),
             "gpu_fences": usage["membar"],
+            **layouts,
         })  # fmt: skip
     return rows
 
@@ -288,11 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
                                     attend_schedule=a.attend_schedule)  # fmt: skip
-    rows = kernel_resources(launches)
+    rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
               f"spills {r['spill_bytes']:4d} B  shared {r['shared_bytes']:6d} B  "
               f"blocks/SM {r['blocks_per_sm']:2d}  GPU fences {r['gpu_fences']}")  # fmt: skip
+    summary_layouts = [r["summary_sum_layouts"] for r in rows if "summary_sum_layouts" in r]
+    same_summary_layouts = len(summary_layouts) == 2 and summary_layouts[0] == summary_layouts[1]
+    print(f"writer and Estimate reduce the page summary's sums in the same layout: "
+          f"{same_summary_layouts} {summary_layouts[0] if summary_layouts else ''}")  # fmt: skip
     if a.json:
         record = {
             "command": "python benchmarks/kernel_resources.py " + " ".join(argv or sys.argv[1:]),
@@ -303,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary_dtype": summary_dtype,
             "attend_schedule": a.attend_schedule or moira.MoiraConfig().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
+            "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }
         Path(a.json).write_text(json.dumps(record, indent=1) + "\n")

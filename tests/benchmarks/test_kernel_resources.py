@@ -53,6 +53,40 @@ def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     assert estimate["num_warps"] == 2
     # Attend's grid is the launcher's (rows, KV heads, J).
     assert by_name["kernel_moira_attend"]["grid"][:2] == [2, 8]
+    # The writer and Estimate reduce a page summary's sums in one layout.
+    assert record["same_summary_sum_layouts"] is True
+    assert by_name["kernel_moira_estimate"]["summary_sum_layouts"]
+
+
+def test_two_slot_estimate_sums_page_summaries_in_the_writers_layout(tmp_path):
+    """int8 mvar: Estimate's 64-page [64, D] int8 summary tiles once gave the
+    page's key tile their layout (Triton's coalescing merges accesses of one
+    shape), and on the H200 Estimate's summaries then differed from the
+    writer's in the last bits. The compiled layouts of both kernels' sums must
+    agree (the check that this test runs reported False on that tree)."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "benchmarks/kernel_resources.py", "--rows", "2", "--context", "4096",
+           "--estimator", "mvar", "--summary-dtype", "int8", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    by_name = {row["kernel"]: row for row in record["rows"]}
+    writer = by_name["kernel_moira_write_summaries"]["summary_sum_layouts"]
+    assert writer and writer == by_name["kernel_moira_estimate"]["summary_sum_layouts"]
+    assert record["same_summary_sum_layouts"] is True
+
+
+def test_summary_sum_layouts_reads_layout_definitions():
+    ttgir = "\n".join([
+        "#blocked = #ttg.blocked<{sizePerThread = [1, 8]}>",
+        "#blocked1 = #ttg.blocked<{sizePerThread = [1, 16]}>",
+        "    }) : (tensor<64x128xf32, #blocked1>) -> tensor<128xf32, #ttg.slice<{dim = 0}>>",
+        "    }) : (tensor<32x128xf32, #blocked>) -> tensor<128xf32, #ttg.slice<{dim = 0}>>",
+    ])  # fmt: skip
+    # Only the [64, 128] fp32 reductions count, by their layouts' definitions.
+    assert kr.summary_sum_layouts(ttgir, 64, 128) == ["#ttg.blocked<{sizePerThread = [1, 16]}>"]
+    assert kr.summary_sum_layouts(ttgir, 64, 64) == []
 
 
 def test_page_schedule_kernels_compile_for_sm90_without_a_gpu(tmp_path):
