@@ -31,7 +31,7 @@ from benchmarks.bench_tpot import speedup_rows  # noqa: E402  (pure helpers, no 
 
 #: The latest TPOT run at the five shapes (docs/benchmarks.md, "TPOT").
 TPOT_LATEST = "tpot_prmt_h200.json"
-#: Qwen3-4B at the five shapes (two calls, each shape's pair from one call).
+#: Qwen3-4B at the five shapes (each shape's pair from one call; tpot_qwen_now + tpot_qwen_mid).
 TPOT_QWEN_LATEST = "tpot_qwen_h200.json"
 #: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
 TPOT_BATCH1_LATEST = "tpot_pages_b1_h200.json"
