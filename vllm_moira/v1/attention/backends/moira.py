@@ -398,8 +398,7 @@ def _estimate_tile_pages(setting: int | str, num_top: int, int8: bool) -> int:
         return 64 if num_top == 0 and int8 else 32
     if not isinstance(setting, int) or setting < 16 or setting & (setting - 1):
         raise ValueError(
-            f"ESTIMATE_LAUNCH['tile_pages'] must be 'auto' or a power of two >= 16, "
-            f"got {setting!r}"
+            f"ESTIMATE_LAUNCH['tile_pages'] must be 'auto' or a power of two >= 16, got {setting!r}"
         )
     return setting
 
