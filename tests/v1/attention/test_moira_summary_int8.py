@@ -176,14 +176,20 @@ def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pa
                                          int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
-    seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
+    check_estimate_int8([1, 64, 65, 300, 64 * 40 + 7], estimator, layout, group, head_size,
+                        pattern)  # fmt: skip
+
+
+def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern):
+    """Estimate on int8 summaries (2 KV heads x G) vs the float32 reference,
+    row by row, under the current ESTIMATE_LAUNCH."""
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
         summary_dtype="int8",
     )  # fmt: skip
     assert summaries.dtype == torch.int8
     scale = head_size**-0.5
-    ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
+    ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1],
                               moira.MoiraConfig(estimator=estimator, summary_dtype="int8"),
                               "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
@@ -338,20 +344,5 @@ def test_estimate_int8_two_slots_default_launch_matches_reference(estimator, lay
                                                                   head_size):  # fmt: skip
     # The default launch of the two-slot estimators: 64-page tiles, q's int8 digits. Rows of
     # one page, one tile exactly (65 pages: the sink and current page exact), and three tiles.
-    seq_lens = [1, 64 * 64 + 64, 64 * 64 + 65, 64 * 150 + 3]
-    kv, summaries, table, seq, query = make_decode_batch(
-        seq_lens, 2, group, head_size, layout, estimator, "outlier", query_scale=3.0,
-        summary_dtype="int8",
-    )  # fmt: skip
-    scale = head_size**-0.5
-    ws = moira.MoiraWorkspace(4, 2 * group, 2, head_size, table.shape[1],
-                              moira.MoiraConfig(estimator=estimator, summary_dtype="int8"),
-                              "cpu")  # fmt: skip
-    ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
-    stored = ref.read_summaries(summaries)
-    for row, seq_len in enumerate(seq_lens):
-        n = math.ceil(seq_len / PAGE)
-        expected = ref.estimate_row_logmass(query[row], kv, stored, table[row], seq_len, scale,
-                                            estimator)  # fmt: skip
-        torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)
+    check_estimate_int8([1, 64 * 64 + 64, 64 * 64 + 65, 64 * 150 + 3], estimator, layout, group,
+                        head_size, "outlier")  # fmt: skip
