@@ -547,7 +547,8 @@ def _summarize_page(
     # Triton's coalescing gave it the layout of the kernel's other memory
     # accesses of that shape (Estimate's 64-page int8 summary tiles: 16
     # values per thread instead of 8), and Estimate's bits differed from the
-    # writer's (an H200 test).
+    # writer's (test_estimate_writes_filled_pages_like_the_writer on the H200;
+    # benchmarks/kernel_resources.py compares the two layouts without a GPU).
     flat = tl.arange(0, PAGE_SIZE * HEAD_SIZE)
     keys = tl.load(page_keys + (flat // HEAD_SIZE) * stride_kv_token + flat % HEAD_SIZE)
     keys = tl.reshape(keys, (PAGE_SIZE, HEAD_SIZE)).to(tl.float32)
