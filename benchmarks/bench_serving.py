@@ -5,7 +5,10 @@ Per arm, one ``vllm serve`` (Llama-3.1-8B config, dummy weights, SmolLM2
 tokenizer, block size 64, prefix caching off) and, per concurrency, one
 closed-loop ``vllm bench serve`` run: random prompts, ``--random-output-len``
 tokens with ``--ignore-eos``. Set A: prompts of 4k-64k tokens (uniform),
-set B: 64k-126k (126 x 1024 tokens). Rows: output tokens/s, median and p90 TPOT, median TTFT.
+set B: 64k-126k (126 x 1024 tokens). Rows: output tokens/s, median and p90 TPOT, median TTFT;
+with ``--detailed`` also each request's TTFT and the run split at the last first token
+(``serving_phases``): the prefill phase, which both arms spend mostly in prefill, and
+the decode tail with its median inter-token latency (the served decode step).
 
 Arms:
 - ``dense``: ``--attention-backend FLASH_ATTN``.
@@ -133,6 +136,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
                     # the later ones only).
                     row["input_lens"] = result.get("input_lens")
                     row["ttfts_s"] = result.get("ttfts")
+                    row.update(serving_phases(result))
                 record["rows"].append(row)
                 save()
                 log(f"[{arm}] c={concurrency}: {row['output_tok_s']:.1f} tok/s, "
@@ -187,8 +191,65 @@ def main() -> None:
             raise SystemExit(f"--arms: unknown arm {arm!r} (dense, moira)")
         run_arm(arm, args, record, save, deadline)
     record["gains"] = serving_gains(record["rows"])
+    record["decode_tail_speedups"] = decode_tail_speedups(record["rows"])
     save()
     log("gains (output tok/s, moira/dense - 1):", record["gains"])
+    log("decode tail (median ITL, dense/moira):", record["decode_tail_speedups"])
+
+
+def serving_phases(result: dict) -> dict[str, float | int | None]:
+    """Split a run at the moment the last request got its first token.
+
+    Before it, steps mix prefill chunks with the decode rows of the requests
+    already answered: their cost is mostly prefill, the same for both arms.
+    After it (the decode tail), no prefill is left in a run of one wave, so
+    the tail's inter-token latencies are the served decode step itself.
+    Needs ``--save-detailed``'s per-request ``start_times``, ``ttfts`` and
+    ``itls`` (seconds, one clock); missing ones give None values.
+    """
+    starts = result.get("start_times") or []
+    ttfts = result.get("ttfts") or []
+    itls = result.get("itls") or []
+    empty = {"prefill_phase_s": None, "decode_tail_s": None,
+             "decode_tail_median_itl_ms": None, "decode_tail_tokens": 0}  # fmt: skip
+    if not starts or len(starts) != len(ttfts) or len(itls) != len(ttfts):
+        return empty
+    first_tokens = [s + t for s, t in zip(starts, ttfts)]
+    prefill_end = max(first_tokens)
+    tail_itls, ends = [], []
+    for first, gaps in zip(first_tokens, itls):
+        arrival = first
+        for gap in gaps:
+            arrival += gap
+            if arrival > prefill_end:
+                tail_itls.append(gap)
+        ends.append(arrival)
+    tail_itls.sort()
+    median = None
+    if tail_itls:
+        mid = len(tail_itls) // 2
+        median = tail_itls[mid] if len(tail_itls) % 2 else 0.5 * (tail_itls[mid - 1] + tail_itls[mid])
+    return {
+        "prefill_phase_s": prefill_end - min(starts),
+        "decode_tail_s": max(ends) - prefill_end,
+        "decode_tail_median_itl_ms": None if median is None else 1000.0 * median,
+        "decode_tail_tokens": len(tail_itls),
+    }
+
+
+def decode_tail_speedups(rows: list[dict]) -> dict[str, float]:
+    """Dense over Moira median inter-token latency in the decode tail, per
+    concurrency both arms ran with ``--detailed``."""
+    by_key = {(r["arm"], r["concurrency"]): r for r in rows}
+    out = {}
+    for (arm, c), dense in by_key.items():
+        moira = by_key.get(("moira", c))
+        if arm != "dense" or moira is None:
+            continue
+        d, m = dense.get("decode_tail_median_itl_ms"), moira.get("decode_tail_median_itl_ms")
+        if d and m:
+            out[f"c{c}"] = d / m
+    return out
 
 
 def serving_gains(rows: list[dict]) -> dict[str, float]:
@@ -216,6 +277,7 @@ def merge(paths: list[str], out: str) -> None:
         "gpu": runs[0].get("gpu"),
         "rows": rows,
         "gains": serving_gains(rows),
+        "decode_tail_speedups": decode_tail_speedups(rows),
     }
     if errors:
         record["errors"] = errors

@@ -65,3 +65,25 @@ def test_merge_joins_runs_and_recomputes_gains(tmp_path):
     # c16 has both arms; c1 only moira; the dense error is superseded by dense's run
     assert merged["gains"] == {"c16": pytest.approx(0.5)}
     assert "errors" not in merged
+
+
+def test_serving_phases_split_at_the_last_first_token():
+    # Two requests sent at t=10 (times exact in binary): A answered at 11, then
+    # a token every 0.125 s; B answered at 12 (the end of prefill), then every
+    # 0.0625 s. The tail is A's tokens after 12.0 (not the one at 12.0) and B's.
+    result = {"start_times": [10.0, 10.0], "ttfts": [1.0, 2.0],
+              "itls": [[0.125] * 20, [0.0625] * 4]}  # fmt: skip
+    phases = bs.serving_phases(result)
+    assert phases["prefill_phase_s"] == 2.0
+    assert phases["decode_tail_s"] == 1.5  # A ends at 13.5, B at 12.25
+    assert phases["decode_tail_tokens"] == 12 + 4
+    assert phases["decode_tail_median_itl_ms"] == 125.0
+    # Without --save-detailed's lists there is nothing to split.
+    assert bs.serving_phases({"ttfts": [1.0]})["decode_tail_s"] is None
+
+
+def test_decode_tail_speedups_need_both_arms():
+    rows = [dict(_row("dense", 16, 1.0), decode_tail_median_itl_ms=24.0),
+            dict(_row("moira", 16, 2.0), decode_tail_median_itl_ms=12.0),
+            dict(_row("dense", 1, 1.0), decode_tail_median_itl_ms=8.0)]  # fmt: skip
+    assert bs.decode_tail_speedups(rows) == {"c16": pytest.approx(2.0)}
