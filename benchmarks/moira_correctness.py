@@ -677,6 +677,17 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
         )
     )
     rows["attend_merge_us"] = attend_us
+    # The same lists under the serving backend's schedule (even pages per
+    # block, MOIRA_BACKEND_DEFAULTS); the kernel API's default above is Alg. 2.
+    ws_pages = workspace(case, dataclasses.replace(fixed, attend_schedule="pages"))
+    ws_pages.page_list.copy_(ws_fixed.page_list)
+    ws_pages.page_count.copy_(ws_fixed.page_count)
+    attend_pages_us = graph_time_us(
+        lambda: moira.attend(case["query"], case["kv"], case["table"], case["seq"],
+                             ws_pages.page_list, ws_pages.page_count, out, ws_pages, SCALE)
+    )  # fmt: skip
+    rows["attend_pages_merge_us"] = attend_pages_us
+    rows["attend_pages_tbps"] = kept_bytes / (attend_pages_us * 1e-6) / 1e12
     if sweep_attend:
         default = dict(moira.ATTEND_LAUNCH)
         reference_out = out.clone()
@@ -847,6 +858,9 @@ def main():
                 ),
             }
             row["attend_fraction_of_copy_bw"] = row["attend_tbps"] / timing["d2d_copy_tbps"]
+            row["attend_pages_fraction_of_copy_bw"] = (
+                row["attend_pages_tbps"] / timing["d2d_copy_tbps"]
+            )
             if args.step_launches:
                 fills = [int(f) for f in args.step_fill_blocks.split(",") if f]
                 row.update(time_step_launches(case, fill_blocks=fills))
