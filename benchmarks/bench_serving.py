@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -224,11 +225,7 @@ def serving_phases(result: dict) -> dict[str, float | int | None]:
             if arrival > prefill_end:
                 tail_itls.append(gap)
         ends.append(arrival)
-    tail_itls.sort()
-    median = None
-    if tail_itls:
-        mid = len(tail_itls) // 2
-        median = tail_itls[mid] if len(tail_itls) % 2 else 0.5 * (tail_itls[mid - 1] + tail_itls[mid])
+    median = statistics.median(tail_itls) if tail_itls else None
     return {
         "prefill_phase_s": prefill_end - min(starts),
         "decode_tail_s": max(ends) - prefill_end,
