@@ -237,16 +237,12 @@ def serving_phases(result: dict) -> dict[str, float | int | None]:
 def decode_tail_speedups(rows: list[dict]) -> dict[str, float]:
     """Dense over Moira median inter-token latency in the decode tail, per
     concurrency both arms ran with ``--detailed``."""
-    by_key = {(r["arm"], r["concurrency"]): r for r in rows}
-    out = {}
-    for (arm, c), dense in by_key.items():
-        moira = by_key.get(("moira", c))
-        if arm != "dense" or moira is None:
-            continue
-        d, m = dense.get("decode_tail_median_itl_ms"), moira.get("decode_tail_median_itl_ms")
-        if d and m:
-            out[f"c{c}"] = d / m
-    return out
+    itl = {(r["arm"], r["concurrency"]): r.get("decode_tail_median_itl_ms") for r in rows}
+    return {
+        f"c{c}": itl[("dense", c)] / itl[("moira", c)]
+        for (arm, c) in itl
+        if arm == "dense" and itl[("dense", c)] and itl.get(("moira", c))
+    }
 
 
 def serving_gains(rows: list[dict]) -> dict[str, float]:
