@@ -1622,9 +1622,10 @@ def _select_row_in_registers(
     # exactly: the largest page share whose kept share reaches the target
     # (the threshold form of Eq. 3, what the spec's passes approach to within
     # 2^-24 of the first interval). Otherwise (a wide band: near-ties, as the
-    # flat attention of dummy weights gives) the spec's 24 / log2 K_B linear
-    # passes follow, from the interval reached.
+    # flat attention of dummy weights gives) linear passes follow from the
+    # interval reached, down to the spec's 2^-24 of the first one.
     lo = 0.0
+    hi0 = hi
     if COARSE_PASSES > 0:
         for _ in range(COARSE_PASSES):
             lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, LANES, True)
@@ -1654,7 +1655,11 @@ def _select_row_in_registers(
             lo = tl.maximum(tau, lo)
             hi = lo
         else:
-            for _ in range(LANE_PASSES):
+            # As many linear passes as take the interval to 2^-24 of the
+            # first one (hi0), where the spec's passes end.
+            width_bits = tl.log2(hi0 / tl.maximum(hi - lo, 1e-30))
+            more = tl.ceil((24.0 - width_bits) * LANE_PASSES / 24.0)
+            for _ in range(tl.minimum(tl.maximum(more, 0.0), LANE_PASSES).to(tl.int32)):
                 lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, LANES, False)
     else:
         for _ in range(LANE_PASSES):
