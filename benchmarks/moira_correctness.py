@@ -573,7 +573,9 @@ def select_band_sizes(ws, case, gamma, coarse_passes, lanes=8):
             lo, hi = 0.0, float(middle.max())
             for _ in range(coarse_passes):
                 top = math.log2(max(hi, 1e-30))
-                bottom = math.log2(lo) if lo > 0 else top - 24.0
+                floor_share = (1.0 - gamma) / max(middle.numel(), 1)
+                bottom = math.log2(floor_share) if 0 < floor_share < hi else top - 24.0
+                bottom = math.log2(lo) if lo > 0 else bottom
                 taus = [2.0 ** (bottom + (top - bottom) * k / lanes) for k in range(lanes)]
                 r = sum(float(middle[middle >= taus[k]].sum()) >= target for k in range(1, lanes))
                 lo, hi = (taus[r] if r else lo), (taus[r + 1] if r + 1 < lanes else hi)

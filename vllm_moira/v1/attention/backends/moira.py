@@ -1513,12 +1513,13 @@ def _sum_pair(a0, b0, a1, b1):
 
 
 @triton.jit
-def _bisection_pass(middle_col, weight_col, lo, hi, target, LANES: tl.constexpr,
+def _bisection_pass(middle_col, weight_col, lo, hi, target, floor_share, LANES: tl.constexpr,
                     GEOMETRIC: tl.constexpr):  # fmt: skip
     # One pass of Alg. 1 with K_B = LANES: thresholds k = 1 .. K_B - 1 between
     # lo and hi (k = 0 is lo itself, which holds), tested in one 2D reduction.
     # Linear thresholds are Alg. 1's, lo + (hi - lo) k / K_B. GEOMETRIC ones
-    # are spaced evenly in log2 (from 24 octaves below hi while lo is 0): the
+    # are spaced evenly in log2, from lo, or while lo is 0 from floor_share
+    # (a lower bound of the threshold; 24 octaves below hi without one): the
     # shares of real pages span many octaves and the threshold sits far below
     # the largest, where linear steps from 0 leave most pages in the interval.
     # Everything stays in the layout of the [pages, lanes] tile (keep_dims):
@@ -1530,7 +1531,9 @@ def _bisection_pass(middle_col, weight_col, lo, hi, target, LANES: tl.constexpr,
     lanes = tl.arange(0, LANES)[None, :]
     if GEOMETRIC:
         top = tl.log2(tl.maximum(hi, 1e-30))
-        bottom = tl.where(lo > 0.0, tl.log2(tl.maximum(lo, 1e-30)), top - 24.0)
+        has_floor = (floor_share > 0.0) & (floor_share < hi)
+        bottom = tl.where(has_floor, tl.log2(tl.maximum(floor_share, 1e-30)), top - 24.0)
+        bottom = tl.where(lo > 0.0, tl.log2(tl.maximum(lo, 1e-30)), bottom)
         span = top - bottom
         above = middle_col >= tl.exp2(bottom + span * lanes / LANES)
     else:
@@ -1626,9 +1629,13 @@ def _select_row_in_registers(
     # interval reached, down to the spec's 2^-24 of the first one.
     lo = 0.0
     hi0 = hi
+    # Coverage: the middle pages below the threshold hold at most 1 - gamma
+    # of the mass (the rest is the target), and none of them reaches it, so
+    # the threshold exceeds (1 - gamma) / middle pages. (Fixed count: none.)
+    floor_share = tl.where(by_count, 0.0, (1.0 - gamma) / tl.maximum(num_middle, 1).to(tl.float32))
     if COARSE_PASSES > 0:
         for _ in range(COARSE_PASSES):
-            lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, LANES, True)
+            lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, floor_share, LANES, True)
         in_band = (middle_pibar >= lo) & (middle_pibar < hi)
         n_band, kept_hi = tl.reduce(
             (in_band.to(tl.float32), tl.where(middle_pibar >= hi, weight, 0.0)), 0, _sum_pair
@@ -1660,10 +1667,10 @@ def _select_row_in_registers(
             width_bits = tl.log2(hi0 / tl.maximum(hi - lo, 1e-30))
             more = tl.ceil((24.0 - width_bits) * LANE_PASSES / 24.0)
             for _ in range(tl.minimum(tl.maximum(more, 0.0), LANE_PASSES).to(tl.int32)):
-                lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, LANES, False)
+                lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, 0.0, LANES, False)
     else:
         for _ in range(LANE_PASSES):
-            lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, LANES, False)
+            lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, 0.0, LANES, False)
     # Special cases of Eq. 3: nothing more is needed (target <= 0), or every
     # page is (gamma >= 1, or a fixed budget that covers the row).
     keep_all = tl.where(by_count, num_middle <= fixed_pages - 2.0, gamma >= 1.0)
