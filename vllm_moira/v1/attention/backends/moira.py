@@ -1635,7 +1635,9 @@ def _select_row_in_registers(
     floor_share = tl.where(by_count, 0.0, (1.0 - gamma) / tl.maximum(num_middle, 1).to(tl.float32))
     if COARSE_PASSES > 0:
         for _ in range(COARSE_PASSES):
-            lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, floor_share, LANES, True)
+            lo, hi = _bisection_pass(
+                middle_col, weight_col, lo, hi, target, floor_share, LANES, True
+            )
         in_band = (middle_pibar >= lo) & (middle_pibar < hi)
         n_band, kept_hi = tl.reduce(
             (in_band.to(tl.float32), tl.where(middle_pibar >= hi, weight, 0.0)), 0, _sum_pair
