@@ -402,7 +402,6 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
                 ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
                 ws.selector_params, batch, case["max_pages"], ws.read_stats),
             batch,
-            case,
         )  # fmt: skip
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
     # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8, the
@@ -479,20 +478,8 @@ ESTIMATE_SWEEP = [
 ]  # fmt: skip
 
 
-# Select candidates: SELECT_LAUNCH changes ({} = the default): the search's
-# geometric passes and band size, and the linear passes alone (candidates 0)
-# under several lane / warp launches.
-SELECT_SWEEP = [
-    {},
-    {"candidates": 0},
-    {"coarse_passes": 2, "candidates": 128},
-    {"coarse_passes": 3, "candidates": 32},
-    {"coarse_passes": 4, "candidates": 32},
-    {"coarse_passes": 4, "candidates": 16},
-    {"long_num_warps": 8},
-    {"long_lanes": 4},
-    {"candidates": 0, "long_num_warps": 8},
-]
+# Select launch candidates: (thresholds per bisection pass, warps).
+SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
 # Attend candidates: ATTEND_LAUNCH changes and MoiraConfig split constants
 # (min_chunk_pages C, attend_fill_blocks N_F, ...); {} = the default.
 ATTEND_SWEEP = [
@@ -553,50 +540,19 @@ def sweep_estimate_and_select(case, ws):
 
     out = {"estimate_sweep": sweep_estimate_launch(case, estimate, ws)}
     estimate()
-    out["select_sweep"] = sweep_select_launch(ws, select, batch, case)
+    out["select_sweep"] = sweep_select_launch(ws, select, batch)
     return out
 
 
-def select_band_sizes(ws, case, gamma, coarse_passes, lanes=8):
-    """Pages left in [lo, hi) after Select's geometric passes, per (row, KV
-    head), emulated in float32 PyTorch on the log-masses in ``ws`` (what
-    decides between the exact finish and the linear passes): quantiles."""
-    sizes = []
-    for row, seq_len in enumerate(case["seq_lens"]):
-        n = math.ceil(seq_len / PAGE)
-        pibar = ref.group_mean_shares(ws.logmass[row, :, :, :n].float().cpu())
-        for shares in pibar:
-            middle = shares[1:-1]
-            if middle.numel() == 0:
-                continue
-            target = gamma - float(shares[0] + shares[-1])
-            lo, hi = 0.0, float(middle.max())
-            for _ in range(coarse_passes):
-                top = math.log2(max(hi, 1e-30))
-                floor_share = (1.0 - gamma) / max(middle.numel(), 1)
-                bottom = math.log2(floor_share) if 0 < floor_share < hi else top - 24.0
-                bottom = math.log2(lo) if lo > 0 else bottom
-                taus = [2.0 ** (bottom + (top - bottom) * k / lanes) for k in range(lanes)]
-                r = sum(float(middle[middle >= taus[k]].sum()) >= target for k in range(1, lanes))
-                lo, hi = (taus[r] if r else lo), (taus[r + 1] if r + 1 < lanes else hi)
-            sizes.append(int(((middle >= lo) & (middle < hi)).sum()))
-    sizes.sort()
-    return {q: sizes[min(len(sizes) - 1, int(q * len(sizes)))] for q in (0.5, 0.9, 0.99, 1.0)}
-
-
-def sweep_select_launch(ws, select, batch, case=None):
-    """Time Select under each SELECT_SWEEP change of SELECT_LAUNCH on the
-    log-masses in ``ws``; each is compared with the default's page lists and
-    counts (a list may differ only where the linear passes' 2^-24 interval
-    holds a page that the exact finish leaves out)."""
+def sweep_select_launch(ws, select, batch):
+    """Time Select under each SELECT_LAUNCH candidate on the log-masses in
+    ``ws``; each must give the default's page lists and counts."""
     rows = []
     default_select = dict(moira.SELECT_LAUNCH)
     select()
     reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
-    for change in SELECT_SWEEP:
-        moira.SELECT_LAUNCH.update(default_select)
-        moira.SELECT_LAUNCH.update(change)
-        launch = dict(moira.SELECT_LAUNCH)
+    for lanes, warps in SELECT_SWEEP:
+        moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
         ws.page_count[:batch].fill_(-1)
         select()
         counts = ws.page_count[:batch]
@@ -606,13 +562,9 @@ def sweep_select_launch(ws, select, batch, case=None):
             same = bool(torch.equal(ws.page_list[:batch, :, :width],
                                     reference_lists[0][:, :, :width]))  # fmt: skip
         us = graph_time_us(select)
-        row = {**launch, "us": us, "same_lists": same,
-               "lists_differing": int((counts != reference_lists[1]).sum())}  # fmt: skip
-        if case is not None and launch["candidates"]:
-            row["band_sizes"] = select_band_sizes(ws, case, ws.config.gamma,
-                                                  launch["coarse_passes"])  # fmt: skip
-        rows.append(row)
-        print("select", change, f"{us:.2f} us", same, row.get("band_sizes"), flush=True)
+        rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
+                     "same_lists": same})  # fmt: skip
+        print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
     moira.SELECT_LAUNCH.clear()
     moira.SELECT_LAUNCH.update(default_select)
     return rows

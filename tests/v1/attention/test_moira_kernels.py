@@ -234,25 +234,11 @@ def _run_select(logmass, seq_lens, config):
     return ws
 
 
-SELECT_FORMS = {
-    # Rows of >= 256 pages: one reduction per threshold (Alg. 1's own form).
-    "long_lanes1": {"long_lanes": 1},
-    "long_lanes4": {"long_lanes": 4},
-    # The default: geometric passes, then the exact finish among the band.
-    "default": {},
-    # The spec's linear passes alone.
-    "linear": {"candidates": 0},
-    # One geometric pass and a small band: most rows take the linear passes
-    # after it (the finish's fallback), the shortest ones the finish.
-    "fallback": {"coarse_passes": 1, "candidates": 16},
-}
-
-
-@pytest.fixture(params=list(SELECT_FORMS))
+@pytest.fixture(params=[1, 4, 8], ids=lambda lanes: f"long_lanes{lanes}")
 def long_lanes(request, monkeypatch):
-    """Every form of Select's search (SELECT_LAUNCH) must give the same lists."""
-    for key, value in SELECT_FORMS[request.param].items():
-        monkeypatch.setitem(moira.SELECT_LAUNCH, key, value)
+    """Both bisection forms for rows of >= 256 pages (one reduction per
+    threshold, and K_B thresholds per 2D reduction) must give the same lists."""
+    monkeypatch.setitem(moira.SELECT_LAUNCH, "long_lanes", request.param)
     return request.param
 
 

@@ -170,7 +170,7 @@ _SELECT_SHORT_TILE_PAGES = 256
 # at 4x131072 against 12.7-12.9 for the earlier 4 on 8 (five sweeps in two
 # calls; docs/benchmarks.md, "Select's bisection pass, and Attend's launch and
 # split constants").
-SELECT_LAUNCH = {"long_lanes": 8, "long_num_warps": 16, "coarse_passes": 3, "candidates": 64}
+SELECT_LAUNCH = {"long_lanes": 8, "long_num_warps": 16}
 # Largest tile of list lengths that attend_schedule="pages" scans at once.
 _ATTEND_MAX_LISTS_TILE = 1024
 # Chunks of one row that Merge combines per loop iteration.
@@ -1355,13 +1355,14 @@ def _select_row(
     GROUP_ROWS: tl.constexpr,
     TILE_PAGES: tl.constexpr,
     NUM_TILES: tl.constexpr,
+    LANES: tl.constexpr,
+    LANE_PASSES: tl.constexpr,
     HAS_LIST_PAGES: tl.constexpr,
 ):
-    # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES,
-    # one reduction over the row per threshold, K_B = 8 / 4 / 2 by the row's
-    # length: rows longer than one register tile (they re-read their pibar
-    # from the scratch row), and the SELECT_LAUNCH["long_lanes"] = 1 form.
-    # Rows that fit one tile take _select_row_in_registers by default.
+    # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
+    # LANES > 1 (one tile, K_B = LANES, LANE_PASSES = 24 / log2 K_B): the
+    # K_B - 1 thresholds of a pass are summed in one 2D reduction; LANES == 1:
+    # one reduction per threshold, K_B = 8 / 4 / 2 by the row's length.
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
 
@@ -1419,22 +1420,51 @@ def _select_row(
     fixed_pages = tl.where(fixed_fraction > 0.0, tl.ceil(fixed_fraction * num_pages), fixed_pages)
     by_count = fixed_pages > 0.0
     target = tl.where(by_count, fixed_pages - 2.0, gamma - forced)
-    kb = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 4, 2))
-    passes = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 12, 24))
+    if LANES > 1:
+        kb = LANES
+        passes = LANE_PASSES
+    else:
+        kb = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 4, 2))
+        passes = tl.where(num_pages < 256, 8, tl.where(num_pages < 1024, 12, 24))
+    if LANES > 1:
+        # Loop-invariant parts of the pass, once: pages that are not middle
+        # pages get pibar -1, below every threshold (tau >= 0), so a pass tests
+        # one compare per (page, threshold) instead of a compare and a mask
+        # (the offline sm_90 compile: 226 -> 132 instructions per pass at K_B = 4).
+        tile = tl.arange(0, TILE_PAGES)
+        middle_pibar = tl.where((tile > 0) & (tile < last), tile_pibar, -1.0)[:, None]
+        weight = tl.where(by_count, 1.0, tile_pibar)[:, None]
     lo = 0.0
     for _ in range(passes):
         # Thresholds k = 1 .. K_B - 1 (k = 0 is lo itself, which holds).
         width = hi - lo
         new_lo = lo
         new_hi = hi
-        # One reduction over the row per threshold: that is why long rows
-        # use fewer thresholds (K_B) and more passes.
-        for k in range(1, kb):
-            tau = lo + width * k / kb
-            kept = _kept_share(pib_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES, NUM_TILES)
-            reached = kept >= target
-            new_lo = tl.where(reached, tl.maximum(new_lo, tau), new_lo)
-            new_hi = tl.where(reached, new_hi, tl.minimum(new_hi, tau))
+        if LANES > 1:
+            # Everything of the pass stays in the layout of the [pages, lanes]
+            # tile (2D, keep_dims): the only exchange between warps is the
+            # reduction over the pages. The kept share falls as tau rises, so
+            # the thresholds that reach the target are k = 1 .. r and the new
+            # bounds are thresholds r and r + 1 (hi if r + 1 = K_B): one
+            # in-warp count instead of a max and a min over the lanes.
+            lanes = tl.arange(0, LANES)[None, :]
+            above = middle_pibar >= lo + width * lanes / kb
+            kept = tl.sum(tl.where(above, weight, 0.0), axis=0, keep_dims=True)
+            reached = (lanes >= 1) & (lanes < kb) & (kept >= target)
+            r = tl.sum(reached.to(tl.int32))
+            new_lo = tl.where(r > 0, lo + width * r / kb, lo)
+            new_hi = tl.where(r + 1 < kb, lo + width * (r + 1) / kb, hi)
+        else:
+            # One reduction over the row per threshold: that is why long rows
+            # use fewer thresholds (K_B) and more passes.
+            for k in range(1, kb):
+                tau = lo + width * k / kb
+                kept = _kept_share(
+                    pib_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES, NUM_TILES
+                )
+                reached = kept >= target
+                new_lo = tl.where(reached, tl.maximum(new_lo, tau), new_lo)
+                new_hi = tl.where(reached, new_hi, tl.minimum(new_hi, tau))
         lo = new_lo
         hi = new_hi
     # Special cases of Eq. 3: nothing more is needed (target <= 0), or every
@@ -1493,225 +1523,6 @@ def _select_row(
 
 
 @triton.jit
-def _softmax_pair(peak_a, denom_a, peak_b, denom_b):
-    # Combines two parts' (max, sum of exp relative to that max): a softmax's
-    # max and denominator in one reduction, one exchange between warps
-    # instead of a max and then a sum.
-    peak = tl.maximum(peak_a, peak_b)
-    safe = tl.where(peak == float("-inf"), 0.0, peak)
-    return peak, denom_a * tl.exp(peak_a - safe) + denom_b * tl.exp(peak_b - safe)
-
-
-@triton.jit
-def _max_and_sum(max_a, sum_a, max_b, sum_b):
-    return tl.maximum(max_a, max_b), sum_a + sum_b
-
-
-@triton.jit
-def _sum_pair(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
-def _bisection_pass(middle_col, weight_col, lo, hi, target, floor_share, LANES: tl.constexpr,
-                    GEOMETRIC: tl.constexpr):  # fmt: skip
-    # One pass of Alg. 1 with K_B = LANES: thresholds k = 1 .. K_B - 1 between
-    # lo and hi (k = 0 is lo itself, which holds), tested in one 2D reduction.
-    # Linear thresholds are Alg. 1's, lo + (hi - lo) k / K_B. GEOMETRIC ones
-    # are spaced evenly in log2, from lo, or while lo is 0 from floor_share
-    # (a lower bound of the threshold; 24 octaves below hi without one): the
-    # shares of real pages span many octaves and the threshold sits far below
-    # the largest, where linear steps from 0 leave most pages in the interval.
-    # Everything stays in the layout of the [pages, lanes] tile (keep_dims):
-    # the only exchange between warps is the reduction over the pages. The
-    # kept share falls as the threshold rises, so the thresholds that reach
-    # the target are k = 1 .. r and the new bounds are thresholds r and r + 1
-    # (hi if r + 1 = K_B): one in-warp count instead of a max and a min over
-    # the lanes. middle_col: [pages, 1], -1 off the middle pages.
-    lanes = tl.arange(0, LANES)[None, :]
-    if GEOMETRIC:
-        top = tl.log2(tl.maximum(hi, 1e-30))
-        has_floor = (floor_share > 0.0) & (floor_share < hi)
-        bottom = tl.where(has_floor, tl.log2(tl.maximum(floor_share, 1e-30)), top - 24.0)
-        bottom = tl.where(lo > 0.0, tl.log2(tl.maximum(lo, 1e-30)), bottom)
-        span = top - bottom
-        above = middle_col >= tl.exp2(bottom + span * lanes / LANES)
-    else:
-        width = hi - lo
-        above = middle_col >= lo + width * lanes / LANES
-    kept = tl.sum(tl.where(above, weight_col, 0.0), axis=0, keep_dims=True)
-    reached = (lanes >= 1) & (kept >= target)
-    r = tl.sum(reached.to(tl.int32))
-    # The new bounds are the thresholds tested, recomputed by the same
-    # expressions (the same bits).
-    if GEOMETRIC:
-        new_lo = tl.where(r > 0, tl.exp2(bottom + span * r / LANES), lo)
-        new_hi = tl.where(r + 1 < LANES, tl.exp2(bottom + span * (r + 1) / LANES), hi)
-    else:
-        new_lo = tl.where(r > 0, lo + width * r / LANES, lo)
-        new_hi = tl.where(r + 1 < LANES, lo + width * (r + 1) / LANES, hi)
-    return new_lo, new_hi
-
-
-@triton.jit
-def _select_row_in_registers(
-    lm,  # this row's log-masses: [GROUP_SIZE, pages] at stride stride_lm_group
-    scratch,  # this row's pibar scratch: [>= TILE_PAGES] fp32 (candidates)
-    out,  # this row's page list
-    count_ptr,
-    read_stats_ptr,
-    list_pages_ptr,
-    selector_ptr,
-    gamma,
-    num_pages,
-    stride_lm_group,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    LANES: tl.constexpr,
-    LANE_PASSES: tl.constexpr,
-    COARSE_PASSES: tl.constexpr,
-    CANDIDATES: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr,
-):
-    # Alg. 1 for one (row, KV head) whose pages fit one register tile, with
-    # as few exchanges between warps as the math allows: Select is one
-    # latency-bound program per list, and each exchange (a reduction over
-    # the pages, a scan) costs about as much as the arithmetic around it.
-    offs_g = tl.arange(0, GROUP_ROWS)
-    mask_g = offs_g < GROUP_SIZE
-    pages = tl.arange(0, TILE_PAGES)
-    last = num_pages - 1
-
-    # Softmax per query head over the pages: max and denominator in one
-    # reduction of (max, sum) pairs.
-    x = tl.load(
-        lm + offs_g[:, None] * stride_lm_group + pages[None, :],
-        mask=mask_g[:, None] & (pages < num_pages)[None, :],
-        other=float("-inf"),
-    )
-    peak, denom = tl.reduce((x, tl.where(x == float("-inf"), 0.0, 1.0)), 1, _softmax_pair)
-    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-    inv_denom = tl.where(mask_g, 1.0 / denom, 0.0) / GROUP_SIZE
-    # pibar = group mean of the softmax; the largest middle share (the
-    # search's upper bound) and the forced pages' shares in one reduction.
-    pibar = tl.sum(tl.exp(x - safe_peak[:, None]) * inv_denom[:, None], axis=0)
-    middle = (pages > 0) & (pages < last)
-    is_forced = (pages < num_pages) & ((pages == 0) | (pages == last))
-    hi, forced = tl.reduce(
-        (tl.where(middle, pibar, 0.0), tl.where(is_forced, pibar, 0.0)), 0, _max_and_sum
-    )
-
-    num_middle = tl.maximum(num_pages - 2, 0)
-    fixed_pages = tl.load(selector_ptr + 1)
-    fixed_fraction = tl.load(selector_ptr + 2)
-    # Fixed-count mode: K pages per row in total, sink and current included;
-    # K = ceil(fraction * pages) when a fraction is given.
-    fixed_pages = tl.where(fixed_fraction > 0.0, tl.ceil(fixed_fraction * num_pages), fixed_pages)
-    by_count = fixed_pages > 0.0
-    target = tl.where(by_count, fixed_pages - 2.0, gamma - forced)
-    # Pages that are not middle pages get pibar -1, below every threshold
-    # (tau >= 0): one compare per (page, threshold) instead of a compare and
-    # a mask.
-    middle_pibar = tl.where(middle, pibar, -1.0)
-    weight = tl.where(by_count, 1.0, pibar)
-    # The passes' [pages, 1] operands, once (each pass tests [pages, lanes]).
-    middle_col = middle_pibar[:, None]
-    weight_col = weight[:, None]
-
-    # Bisection (Alg. 1): lo always reaches the target (or is the start, 0),
-    # hi does not. First COARSE_PASSES geometric passes; then, if at most
-    # CANDIDATES pages lie in [lo, hi), the threshold is found among them
-    # exactly: the largest page share whose kept share reaches the target
-    # (the threshold form of Eq. 3, what the spec's passes approach to within
-    # 2^-24 of the first interval). Otherwise (a wide band: near-ties, as the
-    # flat attention of dummy weights gives) linear passes follow from the
-    # interval reached, down to the spec's 2^-24 of the first one.
-    lo = 0.0
-    hi0 = hi
-    # Coverage: the middle pages below the threshold hold at most 1 - gamma
-    # of the mass (the rest is the target), and none of them reaches it, so
-    # the threshold exceeds (1 - gamma) / middle pages. (Fixed count: none.)
-    floor_share = tl.where(by_count, 0.0, (1.0 - gamma) / tl.maximum(num_middle, 1).to(tl.float32))
-    if COARSE_PASSES > 0:
-        for _ in range(COARSE_PASSES):
-            lo, hi = _bisection_pass(
-                middle_col, weight_col, lo, hi, target, floor_share, LANES, True
-            )
-        in_band = (middle_pibar >= lo) & (middle_pibar < hi)
-        n_band, kept_hi = tl.reduce(
-            (in_band.to(tl.float32), tl.where(middle_pibar >= hi, weight, 0.0)), 0, _sum_pair
-        )
-        if n_band <= CANDIDATES:
-            # The band's shares, gathered into the scratch row in page order.
-            slot = tl.cumsum(in_band.to(tl.int32), axis=0) - 1
-            tl.store(scratch + slot, pibar, mask=in_band)
-            tl.debug_barrier()
-            offs_c = tl.arange(0, CANDIDATES)
-            valid = offs_c < n_band
-            cand = tl.load(scratch + offs_c, mask=valid, other=-1.0)
-            cand_weight = tl.where(valid, tl.where(by_count, 1.0, cand), 0.0)
-            # Kept share with candidate i as the threshold: the pages >= hi
-            # and the band pages >= it (ties included).
-            at_or_above = cand[None, :] >= cand[:, None]
-            kept_at = kept_hi + tl.sum(tl.where(at_or_above, cand_weight[None, :], 0.0), axis=1)
-            tau = tl.max(tl.where(valid & (kept_at >= target), cand, -1.0), axis=0)
-            # hi itself when the pages >= hi already reach the target (hi is
-            # then the largest share, not a threshold of a pass).
-            tau = tl.where(kept_hi >= target, hi, tau)
-            # lo reached the target: tau >= lo unless the two sums' rounding
-            # disagrees, and then lo stands.
-            lo = tl.maximum(tau, lo)
-            hi = lo
-        else:
-            # As many linear passes as take the interval to 2^-24 of the
-            # first one (hi0), where the spec's passes end.
-            width_bits = tl.log2(hi0 / tl.maximum(hi - lo, 1e-30))
-            more = tl.ceil((24.0 - width_bits) * LANE_PASSES / 24.0)
-            for _ in range(tl.minimum(tl.maximum(more, 0.0), LANE_PASSES).to(tl.int32)):
-                lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, 0.0, LANES, False)
-    else:
-        for _ in range(LANE_PASSES):
-            lo, hi = _bisection_pass(middle_col, weight_col, lo, hi, target, 0.0, LANES, False)
-    # Special cases of Eq. 3: nothing more is needed (target <= 0), or every
-    # page is (gamma >= 1, or a fixed budget that covers the row).
-    keep_all = tl.where(by_count, num_middle <= fixed_pages - 2.0, gamma >= 1.0)
-    lo = tl.where(target <= 0.0, float("inf"), lo)
-    lo = tl.where(keep_all, float("-inf"), lo)
-    keep = middle & (pibar >= lo)
-    # Fixed count keeps exactly K pages: the pages above the final interval
-    # [lo, hi], then, from the pages inside it (ties, e.g. the flat attention
-    # of dummy weights), the most recent ones. The coverage rule keeps every
-    # page >= lo (Eq. 3's threshold form keeps ties).
-    exact_count = tl.where(by_count, tl.abs(lo) < float("inf"), False)
-    if exact_count:
-        band = keep & (pibar <= hi)
-        n_above = tl.sum((middle & (pibar > hi)).to(tl.float32), axis=0)
-        n_band_pages = tl.sum(band.to(tl.float32), axis=0)
-        # Band pages to skip (the oldest ones) so that exactly K - 2 are kept.
-        n_skip = (n_band_pages - (target - n_above)).to(tl.int32)
-        band_rank = tl.cumsum(band.to(tl.int32), axis=0)  # 1-based
-        keep = keep & ~(band & (band_rank <= n_skip))
-    # Compaction in page order: the sink page first and the current page
-    # last fall out of the order itself, and the row's last page (its slot
-    # + 1 is the list's length) reports the length: one scan, no reduction.
-    # (On a one-page row the current page is the sink page.)
-    in_list = keep | (pages == 0) | (pages == last)
-    slot = tl.cumsum(in_list.to(tl.int32), axis=0) - 1
-    tl.store(out + slot, pages, mask=in_list)
-    is_last = pages == last
-    n_kept = slot + 1
-    tl.store(count_ptr + pages * 0, n_kept, mask=is_last)
-    # Running totals (_count_list), added by the last page's thread.
-    zero = pages * 0
-    tl.atomic_add(read_stats_ptr + zero, n_kept.to(tl.int64), mask=is_last, sem="relaxed")  # type: ignore[attr-defined]
-    tl.atomic_add(read_stats_ptr + 1 + zero, (num_pages + zero).to(tl.int64), mask=is_last,
-                  sem="relaxed")  # fmt: skip
-    if HAS_LIST_PAGES:
-        tl.atomic_add(list_pages_ptr + zero, n_kept, mask=is_last, sem="relaxed")
-
-
-@triton.jit
 def kernel_moira_select(
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32
     seq_lens_ptr,  # [num_rows] int32
@@ -1738,9 +1549,6 @@ def kernel_moira_select(
     SHORT_TILE_PAGES: tl.constexpr,
     LONG_LANES: tl.constexpr,
     LONG_LANE_PASSES: tl.constexpr,
-    COARSE_PASSES: tl.constexpr,
-    CANDIDATES: tl.constexpr,
-    SHORT_CANDIDATES: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_ROW_GAMMA: tl.constexpr,
     HAS_LIST_PAGES: tl.constexpr = False,
@@ -1786,28 +1594,23 @@ def kernel_moira_select(
         tl.store(count_ptr, num_pages)
         _count_list(read_stats_ptr, list_pages_ptr, num_pages, num_pages, HAS_LIST_PAGES)
         return
-    if SHORT_TILE_PAGES < TILE_PAGES and num_pages < SHORT_TILE_PAGES:
-        _select_row_in_registers(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
-            num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 8, 8,
-            COARSE_PASSES, SHORT_CANDIDATES, HAS_LIST_PAGES,
-        )  # fmt: skip
-    elif SHORT_TILE_PAGES >= TILE_PAGES:  # every row fits the short tile
-        _select_row_in_registers(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
-            num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 8, 8,
-            COARSE_PASSES, CANDIDATES, HAS_LIST_PAGES,
-        )  # fmt: skip
-    elif LONG_LANES > 1:  # one tile (select_pages: LONG_LANES = 1 otherwise)
-        _select_row_in_registers(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
-            num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, LONG_LANES,
-            LONG_LANE_PASSES, COARSE_PASSES, CANDIDATES, HAS_LIST_PAGES,
-        )  # fmt: skip
-    else:
+    if SHORT_TILE_PAGES < TILE_PAGES:
+        if num_pages < SHORT_TILE_PAGES:
+            _select_row(
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
+                HAS_LIST_PAGES,
+            )  # fmt: skip
+        else:
+            _select_row(
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
+                LONG_LANES, LONG_LANE_PASSES, HAS_LIST_PAGES,
+            )  # fmt: skip
+    else:  # every row fits the short tile
         _select_row(
             lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
-            num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
+            num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
             HAS_LIST_PAGES,
         )  # fmt: skip
 
@@ -1844,15 +1647,6 @@ def select_pages(
     long_lanes = SELECT_LAUNCH["long_lanes"] if num_tiles == 1 else 1
     if long_lanes & (long_lanes - 1) or not 1 <= long_lanes <= 16:
         raise ValueError(f"SELECT_LAUNCH['long_lanes'] must be 1, 2, 4, 8 or 16, got {long_lanes}")
-    candidates = SELECT_LAUNCH["candidates"]
-    if candidates & (candidates - 1) or not 0 <= candidates <= 256:
-        raise ValueError(
-            f"SELECT_LAUNCH['candidates'] must be 0 or a power of two up to 256, got {candidates}"
-        )
-    # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
-    long_lane_passes = 24 // max(long_lanes.bit_length() - 1, 1)
-    # candidates = 0: the spec's 24 / log2 K_B linear passes alone.
-    coarse_passes = SELECT_LAUNCH["coarse_passes"] if candidates else 0
     kernel_moira_select[(num_rows, num_kv_heads)](
         logmass,
         seq_lens,
@@ -1879,11 +1673,8 @@ def select_pages(
         NUM_TILES=num_tiles,
         SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
         LONG_LANES=long_lanes,
-        LONG_LANE_PASSES=long_lane_passes,
-        COARSE_PASSES=coarse_passes,
-        # (1 when off: the finish is then not compiled at all.)
-        CANDIDATES=max(min(candidates, tile_pages), 1),
-        SHORT_CANDIDATES=max(min(candidates, _SELECT_SHORT_TILE_PAGES), 1),
+        # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
+        LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
         HAS_LIST_PAGES=list_pages is not None,
