@@ -122,9 +122,11 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # its fixed work (q, its int8 digits, the block ids). Int8 mvar on the
     # H200, one run, us at 4x131072 / 32x8192: 32 pages (byte permutes)
     # 9.70 / 8.20, 64 pages with int8 digits 8.63 / 7.24 (64 with byte
-    # permutes 9.42 / 7.73; 4 warps were 8.10 / 7.53, but the summaries that
-    # Estimate writes must equal the writer's bits, measured equal on 2 warps
-    # only): docs/benchmarks.md, "A tile size per estimator".
+    # permutes 9.42 / 7.73; 4 warps were 8.10 / 7.53, and 8.01 / 7.73 against
+    # 8.58 / 7.28 on 2 in a later run: a trade between the shapes, so 2 stay;
+    # the writer follows these warps and its bits held on both since the flat
+    # key load of _summarize_page): docs/benchmarks.md, "A tile size per
+    # estimator" and "Select with geometric passes and an exact finish".
     "tile_pages": "auto",
     "num_warps": 2,
     "key_stages": 3,
@@ -651,8 +653,9 @@ def write_page_summaries(
     It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
     that decode rows fill (``write_filled_pages``), so that both store the
     same bits: on the GPU the per-channel sums are reduced in the order of the
-    warps' layout, and int8 scales keep every fp32 bit of it (measured: equal
-    on 2 warps; Estimate on 4 warps and this writer on 4 were not). Graph-safe:
+    warps' layout, and int8 scales keep every fp32 bit of it (measured on the
+    H200 on 2 warps, and since the flat key load of ``_summarize_page`` on 4:
+    benchmarks/results/pytest_gpu_estimate_4warps_h200.log). Graph-safe:
     the grid is the number of tokens over WRITER_LAUNCH["window_tokens"]; no
     host sync.
     """
