@@ -163,9 +163,15 @@ def run_phase(name, args, workload, deadline, record, save) -> dict:
             save()
             run_workload(name, args, workload, base, deadline - 20, phase, save)
             phase["metrics_after"] = scrape_metrics(base)
-            if args.gamma_check and time.time() < deadline - 60:
-                phase["gamma_check"] = run_gamma_check(name, base, args)
-                save()
+            if args.gamma_check:
+                left = deadline - time.time()
+                if left > 60:
+                    phase["gamma_check"] = run_gamma_check(name, base, args)
+                    save()
+                else:
+                    # Said, not silent: the record shows the check was asked for.
+                    phase["gamma_check_skipped"] = f"{left:.0f} s left in the phase (needs 60 s)"
+                    log(f"[{name}] gamma check skipped: {phase['gamma_check_skipped']}")
             for key in METRICS:
                 before = phase["metrics_before"].get(key, 0.0)
                 after = phase["metrics_after"].get(key)
@@ -272,6 +278,28 @@ def run_gamma_check(name: str, base: str, args) -> dict:
     except Exception as error:  # recorded, never fatal to the soak record
         log(f"[{name}] gamma check failed: {error!r}")
         return {"ok": False, "error": repr(error)}
+
+
+#: Least time a phase is started with: a server start (75-200 s on the H200, the
+#: first start of a machine being the slowest), the load and the gamma check.
+PHASE_MIN_S = 240.0
+
+
+def budget_problem(budget_s: float, todo: list[str]) -> str | None:
+    """Why ``--budget-s`` cannot run the phases still to do, or None. The
+    budget is split evenly over them, so each needs PHASE_MIN_S of it."""
+    if not todo:
+        return None
+    share = budget_s / len(todo)
+    if share >= PHASE_MIN_S:
+        return None
+    return (
+        f"--budget-s {budget_s:g} leaves {share:.0f} s to each of the {len(todo)} phase(s) "
+        f"still to run ({', '.join(todo)}); a phase needs at least {PHASE_MIN_S:.0f} s "
+        f"(server start, load, gamma check): use --budget-s >= "
+        f"{PHASE_MIN_S * len(todo):.0f} or fewer --phases (phases already done in --out "
+        "are kept, so separate invocations can build one record)"
+    )
 
 
 def compare_gamma_checks(record: dict) -> dict | None:
@@ -408,12 +436,15 @@ def main() -> int:
     }
     log("workload:", record["workload"])
     todo = [x for x in phases if args.rerun or record["phases"].get(x, {}).get("status") != "done"]
+    problem = budget_problem(args.budget_s, todo)
+    if problem:
+        p.error(problem)
     for i, name in enumerate(todo):
         remaining = deadline_all - time.time()
         # Split what is left evenly over the phases still to run.
         share = remaining / (len(todo) - i)
-        if share < 240:
-            log(f"[{name}] skipped: {share:.0f}s left for it (needs >= 240s)")
+        if share < PHASE_MIN_S:
+            log(f"[{name}] skipped: {share:.0f}s left for it (needs >= {PHASE_MIN_S:.0f}s)")
             record["phases"].setdefault(name, {})["status"] = "skipped (budget)"
             save()
             continue

@@ -37,3 +37,15 @@ def test_gamma_check_comparison_uses_the_gamma_one_request():
     assert soak.compare_gamma_checks(record)["gamma_1_equals_dense"] is False
     del record["phases"]["dense"]
     assert soak.compare_gamma_checks(record) is None
+
+
+def test_budget_problem_names_the_option_and_the_budget_needed():
+    # The budget is split evenly: 430 s over three phases is 143 s each.
+    problem = soak.budget_problem(430, ["moira1", "dense", "moira098"])
+    assert problem is not None
+    assert "--budget-s 430" in problem and "143 s" in problem and ">= 720" in problem
+    assert "moira1, dense, moira098" in problem
+    assert soak.budget_problem(525, ["moira1", "dense"]) is None
+    assert soak.budget_problem(239, ["dense"]) is not None
+    assert soak.budget_problem(240, ["dense"]) is None
+    assert soak.budget_problem(10, []) is None
