@@ -61,3 +61,10 @@ def test_dense_output_from_json_record_or_text(tmp_path):
     plain = tmp_path / "dense.txt"
     plain.write_text(" 42, and")
     assert smoke.load_dense_text(str(plain)) == " 42, and"
+
+
+def test_informative_checks_on_dummy_and_real_weights():
+    # Dummy weights tie every page, so a smaller gamma cannot read less there;
+    # on real (or random-init) weights it must.
+    assert smoke.informative_checks("dummy") == {"batch_independent", "smaller_gamma_reads_less"}
+    assert smoke.informative_checks("auto") == {"batch_independent"}
