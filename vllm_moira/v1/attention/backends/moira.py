@@ -148,8 +148,11 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
     # per SM at 142 registers); at 128, 8 fit (the offline sm_90 compile spills
     # one value). Int8 mvar_top8 at 4x131072: 40.8 -> 35.9 us (112: 36.9, 96:
-    # 43.5; mvar, below the cap, unchanged): docs/benchmarks.md, "Where
-    # Estimate and Select stall".
+    # 43.5): docs/benchmarks.md, "Where Estimate and Select stall". Int8 mvar
+    # on its 64-page tiles takes 161 registers uncapped; lower caps that fit
+    # all its programs at 4x131072 in one wave (112-88) were 0.07-0.26 us
+    # slower than 128 there: docs/benchmarks.md, "Estimate's register cap and
+    # tile for mvar".
     "maxnreg": 128,
 }
 # The summary writer's launch: tokens of the slot mapping per program. A
