@@ -212,6 +212,8 @@ def test_config_defaults():
     assert cfg.attend_schedule == "pages"
     assert moira_module().MoiraConfig().attend_schedule == "lists"  # Alg. 2
     assert moira_module().MoiraConfig().dense_batch_tokens == 0
+    # All-dense steps run FA3 in the backend; the kernel API keeps Moira's.
+    assert cfg.dense_steps == "fa3" and moira_module().MoiraConfig().dense_steps == "moira"
 
 
 def test_config_from_env_values():
@@ -226,9 +228,10 @@ def test_config_from_env_values():
             "MOIRA_ATTEND_FILL_BLOCKS": "1",
             "MOIRA_DENSE_BATCH_TOKENS": "16384",
             "MOIRA_ATTEND_SCHEDULE": "Lists",
+            "MOIRA_DENSE_STEPS": "Moira",
         }
     )
-    assert cfg.attend_schedule == "lists"
+    assert cfg.attend_schedule == "lists" and cfg.dense_steps == "moira"
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (1, 16384)
@@ -254,6 +257,7 @@ def test_config_from_env_values():
             {"MOIRA_ATTEND_SCHEDULE": "stream"},
             r"attend_schedule must be one of \('lists', 'pages'\)",
         ),
+        ({"MOIRA_DENSE_STEPS": "dense"}, r"dense_steps must be one of \('moira', 'fa3'\)"),
         ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
     ],
@@ -470,6 +474,107 @@ def test_builder_capture_metadata_padded_rows(builder):
     md = builder.build_for_cudagraph_capture(cam)
     assert (md.num_decodes, md.num_prefills) == (4, 0)
     assert md.decode_seq_lens.tolist() == [1, 1, 0, 0]
+
+
+# ------------------------------------------------ dense steps (patch 0006, V2)
+@pytest.fixture
+def step_class(builder):
+    """Sets the builder's CUDA-graph step class (as the V2 runner does) and
+    restores class 0, the selector and the read counters afterwards."""
+    config = builder.workspace.config
+
+    def set_class(c):
+        builder.cudagraph_step_class = c
+
+    builder.workspace.read_stats.zero_()
+    yield set_class
+    builder.cudagraph_step_class = 0
+    builder.workspace.set_selector(config)
+    builder.workspace.read_stats.zero_()
+
+
+def test_builder_declares_a_dense_step_class(builder, step_class):
+    import dataclasses
+
+    import numpy as np
+
+    assert builder.get_cudagraph_step_classes() == 2  # dense_steps="fa3"
+    # Backend default: 32768 tokens = 512 pages per (row x graph rows).
+    assert builder.classify_cudagraph_step(8, np.array([1024, 70])) == 1
+    ws = builder.workspace
+    # The same rule as Estimate's and Select's per-row test, on the longest row
+    # and the rows of the graph that will replay (padding included): 16 pages.
+    ws.set_selector(dataclasses.replace(ws.config, dense_batch_tokens=1024))
+    assert builder.classify_cudagraph_step(1, np.array([1024])) == 1
+    assert builder.classify_cudagraph_step(1, np.array([1025])) == 0  # 17 pages
+    assert builder.classify_cudagraph_step(2, np.array([512])) == 1  # 8 x 2
+    assert builder.classify_cudagraph_step(2, np.array([512, 513])) == 0  # 9 x 2
+    assert builder.classify_cudagraph_step(4, np.array([512])) == 0  # padded rows count
+    # Thresholds switched off at runtime (set_selector) turn the class off.
+    ws.set_selector(dataclasses.replace(ws.config, dense_batch_tokens=0))
+    assert builder.classify_cudagraph_step(1, np.array([64])) == 0
+    ws.set_selector(dataclasses.replace(ws.config, dense_batch_tokens=1024, dense_steps="moira"))
+    assert builder.classify_cudagraph_step(1, np.array([64])) == 0
+
+
+def test_builder_dense_step_is_fa_metadata_of_the_whole_batch(builder, step_class):
+    cam = _cam([1, 1, 1], [100, 64, 1])
+    md = builder.build(0, cam)
+    assert md.dense_step is None  # class 0: Moira's decode step
+    assert int(builder.workspace.read_stats.sum()) == 0
+
+    step_class(1)
+    md = builder.build(0, cam)
+    assert md.prefill is None and md.num_decodes == 3
+    fa = md.dense_step
+    assert fa is not None
+    assert fa.num_actual_tokens == 3 and fa.max_query_len == 1
+    assert fa.seq_lens.tolist() == [100, 64, 1]
+    assert torch.equal(fa.block_table, cam.block_table_tensor)
+    assert fa.slot_mapping.tolist() == [1000, 1001, 1002]
+    # Every page is read: both counters get pages x KV heads x layers
+    # (2 + 1 + 1 pages, 2 KV heads, 1 layer), as Select would have added.
+    assert builder.workspace.read_stats.tolist() == [8, 8]
+    # Capture metadata is not a step: nothing is counted.
+    builder.build_for_cudagraph_capture(_cam([1, 1], [1024, 1024]))
+    assert builder.workspace.read_stats.tolist() == [8, 8]
+
+
+def test_builder_dense_step_refuses_prefill_rows(builder, step_class):
+    step_class(1)
+    with pytest.raises(RuntimeError, match="step class 1.*2 prefill rows"):
+        builder.build(0, _cam([1, 5, 7], [100, 5, 40]))
+
+
+def test_forward_dense_step_runs_fa_and_the_summary_writer(builder, step_class, monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    mod = moira_module()
+    step_class(1)
+    md = builder.build(0, _cam([1, 1], [64, 130]))
+    with set_current_vllm_config(builder.vllm_config):
+        impl = mod.MoiraImpl(**_IMPL_ARGS)
+    calls = {}
+
+    def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
+        calls["fa"] = (query.shape, attn_metadata)
+        return output.fill_(2)
+
+    monkeypatch.setattr(mod, "moira_decode", lambda *a, **k: calls.update(decode=True))
+    monkeypatch.setattr(
+        mod, "write_page_summaries", lambda kv, summ, slots: calls.update(writer=slots)
+    )
+    monkeypatch.setattr(FlashAttentionImpl, "forward", fake_fa)
+    kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
+    impl.bind_kv_cache_extras(None, kv_cache)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    out = impl.forward(None, q, q, q, kv_cache, md, torch.zeros_like(q))
+    impl.release_kv_cache_extras(None)
+    assert "decode" not in calls  # no Moira kernel in a dense step
+    assert tuple(calls["fa"][0]) == (2, 4, 64) and calls["fa"][1] is md.dense_step
+    assert calls["writer"] is md.dense_step.slot_mapping  # the step's filled pages
+    assert out.eq(2).all()
 
 
 # ---------------------------------------------------------------- impl routing

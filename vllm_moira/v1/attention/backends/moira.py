@@ -80,6 +80,12 @@ MOIRA_SELECTORS = ("coverage", "fixed")
 #: lists laid end to end (a block may finish one list and start the next), so
 #: that uneven lists leave no block with more work than another.
 MOIRA_ATTEND_SCHEDULES = ("lists", "pages")
+#: What a decode step runs when every row in it is dense
+#: (MoiraConfig.dense_steps; the rows that dense_batch_tokens reads whole).
+#: "moira": Moira's kernels, with Estimate and Select skipping the rows.
+#: "fa3": vLLM's FA3 decode, in FULL CUDA graphs of their own (vLLM patch
+#: 0006), plus the summary writer for the pages the step fills.
+MOIRA_DENSE_STEPS = ("moira", "fa3")
 #: Page-mass estimators (issue 10, docs/estimator.md) -> r, the keys stored
 #: exactly per page and KV head. "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2
 #: with the REM spread term (same 2-slot summary); "mvar_top{r}": the r keys
@@ -258,6 +264,13 @@ class MoiraConfig:
     #: Decided per row on the GPU from the row's length and the batch size;
     #: 0 = off (every row goes through Estimate and Select).
     dense_batch_tokens: int = 0
+    #: A decode step whose rows are all dense (above) runs Moira's kernels
+    #: ("moira") or FA3's ("fa3", the serving backend's default; one of
+    #: MOIRA_DENSE_STEPS). Those rows read every page either way, so the
+    #: output is dense attention either way; "fa3" only drops the fixed cost
+    #: of Moira's four launches per layer. Decided per step on the host, from
+    #: the rows' lengths, where vLLM picks the CUDA graph (V2 runner).
+    dense_steps: str = "moira"
     #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary layout
     #: (``summary_slots``) when the KV cache is allocated.
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
@@ -316,6 +329,11 @@ class MoiraConfig:
             raise ValueError(
                 "Moira: dense_batch_tokens must be an integer >= 0 (0 = off), "
                 f"got {self.dense_batch_tokens!r}"
+            )
+        if self.dense_steps not in MOIRA_DENSE_STEPS:
+            raise ValueError(
+                f"Moira: dense_steps must be one of {MOIRA_DENSE_STEPS}, "
+                f"got {self.dense_steps!r}"
             )
         if self.estimator not in MOIRA_ESTIMATORS:
             raise ValueError(
@@ -2583,6 +2601,7 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
     "MOIRA_ATTEND_SCHEDULE": ("attend_schedule", str),
     "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
+    "MOIRA_DENSE_STEPS": ("dense_steps", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
 }
 
@@ -2593,8 +2612,14 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
 #: batch 1 up to 32k tokens the Estimate + Select latency costs more than the
 #: pages it saves), and Attend shares the step's pages evenly among its
 #: blocks ("pages": flat in the spread of list lengths, and 3-6% off TPOT at
-#: 8k x32 and 130k x4 against Alg. 2's chunks per list).
-MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {"dense_batch_tokens": 32768, "attend_schedule": "pages"}
+#: 8k x32 and 130k x4 against Alg. 2's chunks per list). Steps whose rows are
+#: all dense run FA3 ("fa3": what those rows compute anyway, without Moira's
+#: per-layer launches).
+MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {
+    "dense_batch_tokens": 32768,
+    "attend_schedule": "pages",
+    "dense_steps": "fa3",
+}
 
 
 def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
@@ -2972,6 +2997,10 @@ class MoiraMetadata:
     prefill: FlashAttentionMetadata | None
     # Persistent buffers and the selector (workspace.config, set_selector).
     workspace: MoiraWorkspace
+    # Dense step (dense_steps="fa3", CUDA-graph step class 1): FA metadata
+    # for the whole batch, every row a decode row read whole by FA3. None in
+    # every other step.
+    dense_step: FlashAttentionMetadata | None = None
 
 
 def slice_prefill_common_metadata(
@@ -3044,6 +3073,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
     # build() returns a new metadata object; the in-place block-table update
     # path of FA (spec-decode drafting) does not apply.
     supports_update_block_table: bool = False
+    # Set by vLLM's V2 runner before each build (patch 0006); 0 without it.
+    cudagraph_step_class: int = 0
 
     @classmethod
     def get_cudagraph_support(
@@ -3099,10 +3130,30 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
 
         # Page-read fraction for logs and /metrics, polled without a host sync.
         self.read_stats_poller = ReadStatsPoller(self.workspace.read_stats)
+        self._capturing = False
 
     def use_cascade_attention(self, *args: Any, **kwargs: Any) -> bool:
         # FA's cascade path would process every row, decode rows included.
         return False
+
+    # ---- CUDA-graph step classes (vLLM patch 0006, V2 runner) ---------------
+    # Class 0: Moira's decode step. Class 1 (dense_steps="fa3"): a step whose
+    # rows are all dense runs FA3, in FULL graphs of its own. One graph holds
+    # one kernel sequence, so this is decided where vLLM picks the graph, from
+    # the same rule that Estimate and Select apply per row on the GPU
+    # (_is_dense_row: pages x rows in the graph <= dense pages). A step the
+    # runner does not classify (V1, eager, mixed) stays in class 0, where
+    # those rows are still read whole.
+    def get_cudagraph_step_classes(self) -> int:
+        return 2 if self.moira_config.dense_steps == "fa3" else 1
+
+    def classify_cudagraph_step(self, num_reqs_padded: int, seq_lens_upper_bound: Any) -> int:
+        config = self.workspace.config  # set_selector may change the threshold
+        dense_pages = config.dense_batch_tokens // MOIRA_PAGE_SIZE
+        if config.dense_steps != "fa3" or dense_pages == 0 or len(seq_lens_upper_bound) == 0:
+            return 0
+        max_pages = cdiv(int(max(seq_lens_upper_bound)), MOIRA_PAGE_SIZE)
+        return 1 if max_pages * max(num_reqs_padded, 1) <= dense_pages else 0
 
     def build(
         self,
@@ -3124,8 +3175,17 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.workspace.set_row_gamma(
             None if extras is None else extras.get(MOIRA_GAMMA_EXTRA_ARG), nd
         )
-        prefill = None
-        if npf > 0:
+        prefill = dense_step = None
+        if self.cudagraph_step_class == 1:
+            if npf > 0:
+                raise RuntimeError(
+                    "MOIRA: a dense-step graph (CUDA-graph step class 1) was chosen for a "
+                    f"batch with {npf} prefill rows; the runner classifies decode steps only"
+                )
+            # Every row dense: FA3 on the whole batch, in this class's graph.
+            dense_step = super().build(common_prefix_len, cam, fast_build)
+            self._count_dense_step_reads(cam)
+        elif npf > 0:
             prefill = super().build(0, slice_prefill_common_metadata(cam, nd, ndt), fast_build)
         return MoiraMetadata(
             num_actual_tokens=cam.num_actual_tokens,
@@ -3137,7 +3197,28 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             decode_block_table=cam.block_table_tensor[:nd],
             prefill=prefill,
             workspace=self.workspace,
+            dense_step=dense_step,
         )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> MoiraMetadata:
+        self._capturing = True  # capture metadata is not a step: no read counts
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
+
+    def _count_dense_step_reads(self, cam: CommonAttentionMetadata) -> None:
+        # A dense step reads every page, so it adds its pages to both of
+        # read_stats' counters, as Select would have (per layer and KV head).
+        # One scalar add on the stream before the graph replays: no host sync.
+        if self._capturing or cam.seq_lens_cpu_upper_bound is None:
+            return
+        seq = cam.seq_lens_cpu_upper_bound[: cam.num_reqs]
+        pages = int(((seq + MOIRA_PAGE_SIZE - 1) // MOIRA_PAGE_SIZE).sum())
+        if pages > 0:
+            self.workspace.read_stats.add_(pages * self.num_heads_kv * len(self.layer_names))
 
 
 # --------------------------------------------------------------------------
@@ -3309,12 +3390,21 @@ class MoiraImpl(FlashAttentionImpl):
             # Profiling run.
             return output.fill_(0)
 
-        # Padded FULL-graph batches may have more (padded) rows than real
-        # tokens; the runner's buffers are padded to the graph size.
-        nd = min(attn_metadata.num_decodes, query.shape[0])
         # Layers that share another layer's KV cache neither scatter keys nor
         # write its summaries (the target layer does both).
         writes_summaries = self.kv_sharing_target_layer_name is None
+        dense_step = attn_metadata.dense_step
+        if dense_step is not None:
+            # Every row is read whole: FA3 decodes the batch. The pages that
+            # this step's tokens filled still get their summaries, for the
+            # steps in which these rows are no longer dense.
+            if writes_summaries and kv_cache.numel() > 0:
+                write_page_summaries(kv_cache, self._get_summaries(kv_cache), dense_step.slot_mapping)
+            return super().forward(layer, query, key, value, kv_cache, dense_step, output)
+
+        # Padded FULL-graph batches may have more (padded) rows than real
+        # tokens; the runner's buffers are padded to the graph size.
+        nd = min(attn_metadata.num_decodes, query.shape[0])
         if nd > 0:
             # One token per decode row: rows [0, nd) are tokens [0, nd).
             # No host sync: lengths and tables are read on device.
