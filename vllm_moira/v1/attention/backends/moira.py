@@ -3152,7 +3152,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         dense_pages = config.dense_batch_tokens // MOIRA_PAGE_SIZE
         if config.dense_steps != "fa3" or dense_pages == 0 or len(seq_lens_upper_bound) == 0:
             return 0
-        max_pages = cdiv(int(max(seq_lens_upper_bound)), MOIRA_PAGE_SIZE)
+        max_pages = cdiv(int(seq_lens_upper_bound.max()), MOIRA_PAGE_SIZE)
         return 1 if max_pages * max(num_reqs_padded, 1) <= dense_pages else 0
 
     def build(
@@ -3215,6 +3215,10 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         # One scalar add on the stream before the graph replays: no host sync.
         if self._capturing or cam.seq_lens_cpu_upper_bound is None:
             return
+        logger.info_once(
+            "MOIRA: decode steps whose rows are all dense run FA3 in their own CUDA "
+            "graphs (MOIRA_DENSE_STEPS=fa3)"
+        )
         seq = cam.seq_lens_cpu_upper_bound[: cam.num_reqs]
         pages = int(((seq + MOIRA_PAGE_SIZE - 1) // MOIRA_PAGE_SIZE).sum())
         if pages > 0:
