@@ -384,7 +384,7 @@ class Selector:
 
         torch.cuda.synchronize()
         for ws in self.workspaces:
-            ws.read_stats.zero_()
+            ws.reset_read_counts()
         torch.cuda.synchronize()
 
     def reads(self) -> float | None:
@@ -393,8 +393,8 @@ class Selector:
         if not self.workspaces:
             return None
         torch.cuda.synchronize()
-        kept = sum(int(ws.read_stats[0]) for ws in self.workspaces)
-        total = sum(int(ws.read_stats[1]) for ws in self.workspaces)
+        counts = [ws.read_counts() for ws in self.workspaces]
+        kept, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
         return kept / total if total else None
 
 

@@ -486,11 +486,11 @@ def step_class(builder):
     def set_class(c):
         builder.cudagraph_step_class = c
 
-    builder.workspace.read_stats.zero_()
+    builder.workspace.reset_read_counts()
     yield set_class
     builder.cudagraph_step_class = 0
     builder.workspace.set_selector(config)
-    builder.workspace.read_stats.zero_()
+    builder.workspace.reset_read_counts()
 
 
 def test_builder_declares_a_dense_step_class(builder, step_class):
@@ -498,18 +498,22 @@ def test_builder_declares_a_dense_step_class(builder, step_class):
 
     import numpy as np
 
-    assert builder.get_cudagraph_step_classes() == 2  # dense_steps="fa3"
+    assert builder.get_cudagraph_step_classes() == 3  # dense_steps="fa3"
     # Backend default: 32768 tokens = 512 pages per (row x graph rows).
-    assert builder.classify_cudagraph_step(8, np.array([1024, 70])) == 1
+    assert builder.classify_cudagraph_step(8, np.array([1023, 70])) == 1
+    # Class 2: a row's new token is the last of its page (length % 64 == 0),
+    # so the step must also write that page's summary.
+    assert builder.classify_cudagraph_step(8, np.array([1024, 70])) == 2
+    assert builder.classify_cudagraph_step(8, np.array([1000, 128])) == 2
     ws = builder.workspace
     # The same rule as Estimate's and Select's per-row test, on the longest row
     # and the rows of the graph that will replay (padding included): 16 pages.
     ws.set_selector(dataclasses.replace(ws.config, dense_batch_tokens=1024))
-    assert builder.classify_cudagraph_step(1, np.array([1024])) == 1
+    assert builder.classify_cudagraph_step(1, np.array([1023])) == 1
     assert builder.classify_cudagraph_step(1, np.array([1025])) == 0  # 17 pages
-    assert builder.classify_cudagraph_step(2, np.array([512])) == 1  # 8 x 2
-    assert builder.classify_cudagraph_step(2, np.array([512, 513])) == 0  # 9 x 2
-    assert builder.classify_cudagraph_step(4, np.array([512])) == 0  # padded rows count
+    assert builder.classify_cudagraph_step(2, np.array([511])) == 1  # 8 x 2
+    assert builder.classify_cudagraph_step(2, np.array([511, 513])) == 0  # 9 x 2
+    assert builder.classify_cudagraph_step(4, np.array([511])) == 0  # padded rows count
     # Thresholds switched off at runtime (set_selector) turn the class off.
     ws.set_selector(dataclasses.replace(ws.config, dense_batch_tokens=0))
     assert builder.classify_cudagraph_step(1, np.array([64])) == 0
@@ -526,33 +530,48 @@ def test_builder_dense_step_is_fa_metadata_of_the_whole_batch(builder, step_clas
     step_class(1)
     md = builder.build(0, cam)
     assert md.prefill is None and md.num_decodes == 3
+    assert md.dense_step_fills_pages is False
     fa = md.dense_step
     assert fa is not None
     assert fa.num_actual_tokens == 3 and fa.max_query_len == 1
     assert fa.seq_lens.tolist() == [100, 64, 1]
     assert torch.equal(fa.block_table, cam.block_table_tensor)
     assert fa.slot_mapping.tolist() == [1000, 1001, 1002]
-    # Every page is read: both counters get pages x KV heads x layers
-    # (2 + 1 + 1 pages, 2 KV heads, 1 layer), as Select would have added.
-    assert builder.workspace.read_stats.tolist() == [8, 8]
+    # Every page is read: both counts get pages x KV heads x layers (2 + 1 + 1
+    # pages, 2 KV heads, 1 layer), as Select would have added; on the host,
+    # so the device counters are untouched.
+    ws = builder.workspace
+    assert ws.read_counts() == (8, 8) and ws.read_stats.tolist() == [0, 0]
+    step_class(2)
+    assert builder.build(0, cam).dense_step_fills_pages is True
+    assert ws.read_counts() == (16, 16)
     # Capture metadata is not a step: nothing is counted.
     builder.build_for_cudagraph_capture(_cam([1, 1], [1024, 1024]))
-    assert builder.workspace.read_stats.tolist() == [8, 8]
+    assert ws.read_counts() == (16, 16)
+    # Select's device counts add up with them; a reset clears both.
+    ws.read_stats.copy_(torch.tensor([3, 5]))
+    assert ws.read_counts() == (19, 21)
+    ws.reset_read_counts()
+    assert ws.read_counts() == (0, 0)
 
 
 def test_builder_dense_step_refuses_prefill_rows(builder, step_class):
-    step_class(1)
-    with pytest.raises(RuntimeError, match="step class 1.*2 prefill rows"):
-        builder.build(0, _cam([1, 5, 7], [100, 5, 40]))
+    for c in (1, 2):
+        step_class(c)
+        with pytest.raises(RuntimeError, match=f"step class {c}.*2 prefill rows"):
+            builder.build(0, _cam([1, 5, 7], [100, 5, 40]))
 
 
-def test_forward_dense_step_runs_fa_and_the_summary_writer(builder, step_class, monkeypatch):
+@pytest.mark.parametrize("fills_a_page", [False, True])
+def test_forward_dense_step_runs_fa_and_the_summary_writer(
+    builder, step_class, monkeypatch, fills_a_page
+):
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
     mod = moira_module()
-    step_class(1)
-    md = builder.build(0, _cam([1, 1], [64, 130]))
+    step_class(2 if fills_a_page else 1)
+    md = builder.build(0, _cam([1, 1], [64 if fills_a_page else 63, 130]))
     with set_current_vllm_config(builder.vllm_config):
         impl = mod.MoiraImpl(**_IMPL_ARGS)
     calls = {}
@@ -573,8 +592,21 @@ def test_forward_dense_step_runs_fa_and_the_summary_writer(builder, step_class, 
     impl.release_kv_cache_extras(None)
     assert "decode" not in calls  # no Moira kernel in a dense step
     assert tuple(calls["fa"][0]) == (2, 4, 64) and calls["fa"][1] is md.dense_step
-    assert calls["writer"] is md.dense_step.slot_mapping  # the step's filled pages
+    if fills_a_page:
+        assert calls["writer"] is md.dense_step.slot_mapping  # the page that filled
+    else:
+        assert "writer" not in calls  # FA3's launches alone
     assert out.eq(2).all()
+
+
+def test_rpc_read_stats_includes_dense_steps(builder, step_class):
+    mod = moira_module()
+    step_class(1)
+    builder.build(0, _cam([1], [130]))  # 3 pages x 2 KV heads x 1 layer
+    builder.workspace.read_stats.copy_(torch.tensor([1, 4]))
+    kept, total = (sum(v) for v in zip(*[ws.read_counts() for ws in mod.live_workspaces()]))
+    assert mod.rpc_read_stats(None, reset=True) == [kept, total]
+    assert builder.workspace.read_counts() == (0, 0)
 
 
 # ---------------------------------------------------------------- impl routing

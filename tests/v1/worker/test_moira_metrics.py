@@ -51,6 +51,22 @@ def test_poller_reports_deltas_one_poll_late(mm):
     assert metrics.last_fraction == pytest.approx(0.2)
 
 
+def test_poller_adds_dense_steps_counted_on_the_host(mm):
+    # Steps that ran FA3 (every page read) never touch the device counters:
+    # their pages go straight to the metrics, kept == total.
+    metrics, _, _ = _metrics(mm)
+    stats = torch.zeros(2, dtype=torch.int64)
+    poller = mm.ReadStatsPoller(stats, metrics)
+    poller.observe_host(0)
+    assert metrics.take_stats() is None
+    poller.observe_host(30)
+    poller.poll()
+    stats += torch.tensor([5, 10])
+    poller.poll()
+    assert poller.poll() == (5, 10)
+    assert metrics.take_stats() == {mm.PAGE_READ_FRACTION_KEY: pytest.approx(35 / 40)}
+
+
 def test_poller_new_baseline_when_counters_are_zeroed(mm):
     metrics, _, _ = _metrics(mm)
     stats = torch.tensor([50, 100], dtype=torch.int64)

@@ -193,6 +193,12 @@ class ReadStatsPoller:
         self._last = (0, 0)
         self._metrics = metrics if metrics is not None else get_page_read_metrics()
 
+    def observe_host(self, pages: int) -> None:
+        """Pages read whole by a step that counted them on the host (a dense
+        step on FA3: kept == total), straight into the metrics."""
+        if pages > 0:
+            self._metrics.observe(pages, pages)
+
     def _copy_ready(self) -> bool:
         return self._event is None or bool(self._event.query())
 

@@ -2145,10 +2145,11 @@ def rpc_read_stats(_worker: object, reset: bool = False) -> list[int]:
     if any(ws.read_stats.is_cuda for ws in workspaces):
         torch.cuda.synchronize()
     for ws in workspaces:
-        kept += int(ws.read_stats[0])
-        total += int(ws.read_stats[1])
+        ws_kept, ws_total = ws.read_counts()
+        kept += ws_kept
+        total += ws_total
         if reset:
-            ws.read_stats.zero_()
+            ws.reset_read_counts()
     return [kept, total]
 
 
@@ -2243,6 +2244,9 @@ class MoiraWorkspace:
         #: Pages kept and pages in the rows, summed over layers and steps
         #: (Select adds to it on the device; zero it to start a window).
         self.read_stats = torch.zeros(2, dtype=torch.int64, device=device)
+        #: Pages of the steps that ran FA3 (dense_steps="fa3"), every one
+        #: read; counted on the host. read_counts() adds them to read_stats.
+        self.dense_read_pages = 0
         #: Pages in all the lists of the current step (Estimate zeroes it,
         #: Select adds each list, Attend and Merge size their chunks by it).
         self.list_pages = torch.zeros(1, dtype=i32, device=device)
@@ -2277,6 +2281,18 @@ class MoiraWorkspace:
             raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
         self.config = config
+
+    def read_counts(self) -> tuple[int, int]:
+        """(pages kept, pages in the rows) since the last reset: Select's
+        device counters plus the dense steps' pages. A host sync; call it
+        between steps."""
+        kept, total = (int(v) for v in self.read_stats.tolist())
+        return kept + self.dense_read_pages, total + self.dense_read_pages
+
+    def reset_read_counts(self) -> None:
+        """Zero both counts (a device fill and a host reset)."""
+        self.read_stats.zero_()
+        self.dense_read_pages = 0
 
     def set_row_gamma(self, values: torch.Tensor | None, num_rows: int) -> None:
         """Load rows ``[:num_rows]`` of ``row_gamma`` from ``values`` (fp32 on
@@ -2573,6 +2589,11 @@ def moira_decode(
 # nothing to attend to, so it must not be handed zero-length decode rows).
 # ==========================================================================
 logger = init_logger(__name__)
+
+#: The builder reads read_stats back for logs and /metrics every this many
+#: steps (an event query and a D2H copy; the counters are cumulative, so
+#: nothing is lost between readings).
+_READ_STATS_POLL_STEPS = 16
 
 #: SamplingParams.extra_args key of a request's own coverage gamma.
 MOIRA_GAMMA_EXTRA_ARG = "moira_gamma"
@@ -3001,6 +3022,9 @@ class MoiraMetadata:
     # for the whole batch, every row a decode row read whole by FA3. None in
     # every other step.
     dense_step: FlashAttentionMetadata | None = None
+    # Dense step in which a row's new token fills a page (class 2): the
+    # summary writer runs on the step's slots before FA3.
+    dense_step_fills_pages: bool = False
 
 
 def slice_prefill_common_metadata(
@@ -3131,21 +3155,25 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         # Page-read fraction for logs and /metrics, polled without a host sync.
         self.read_stats_poller = ReadStatsPoller(self.workspace.read_stats)
         self._capturing = False
+        self._builds = 0
 
     def use_cascade_attention(self, *args: Any, **kwargs: Any) -> bool:
         # FA's cascade path would process every row, decode rows included.
         return False
 
     # ---- CUDA-graph step classes (vLLM patch 0006, V2 runner) ---------------
-    # Class 0: Moira's decode step. Class 1 (dense_steps="fa3"): a step whose
-    # rows are all dense runs FA3, in FULL graphs of its own. One graph holds
-    # one kernel sequence, so this is decided where vLLM picks the graph, from
-    # the same rule that Estimate and Select apply per row on the GPU
-    # (_is_dense_row: pages x rows in the graph <= dense pages). A step the
-    # runner does not classify (V1, eager, mixed) stays in class 0, where
-    # those rows are still read whole.
+    # Class 0: Moira's decode step. With dense_steps="fa3", a step whose rows
+    # are all dense runs FA3 instead, in FULL graphs of its own: class 1 when
+    # no row's new token fills a page, class 2 (FA3 and the summary writer)
+    # when one does (a row of length L has just filled a page when L % 64 ==
+    # 0; at batch 1 that is one step in 64, so most dense steps are FA3's
+    # launches alone). A graph holds one kernel sequence, so this is decided
+    # where vLLM picks the graph, by the rule that Estimate and Select apply
+    # per row on the GPU (_is_dense_row: pages x rows in the graph <= dense
+    # pages). Steps the runner does not classify (V1, eager, mixed) stay in
+    # class 0, where those rows are still read whole.
     def get_cudagraph_step_classes(self) -> int:
-        return 2 if self.moira_config.dense_steps == "fa3" else 1
+        return 3 if self.moira_config.dense_steps == "fa3" else 1
 
     def classify_cudagraph_step(self, num_reqs_padded: int, seq_lens_upper_bound: Any) -> int:
         config = self.workspace.config  # set_selector may change the threshold
@@ -3153,7 +3181,9 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if config.dense_steps != "fa3" or dense_pages == 0 or len(seq_lens_upper_bound) == 0:
             return 0
         max_pages = cdiv(int(seq_lens_upper_bound.max()), MOIRA_PAGE_SIZE)
-        return 1 if max_pages * max(num_reqs_padded, 1) <= dense_pages else 0
+        if max_pages * max(num_reqs_padded, 1) > dense_pages:
+            return 0
+        return 2 if bool((seq_lens_upper_bound % MOIRA_PAGE_SIZE == 0).any()) else 1
 
     def build(
         self,
@@ -3163,30 +3193,37 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
     ) -> MoiraMetadata:
         cam = common_attn_metadata
         nd, npf, ndt, npt = split_decodes_and_prefills(cam, decode_threshold=1)
-        self.read_stats_poller.poll()  # async D2H of read_stats; never waits for the GPU
+        self._builds += 1
+        if self._builds % _READ_STATS_POLL_STEPS == 0:
+            self.read_stats_poller.poll()  # async D2H of read_stats; never waits for the GPU
         if nd > self.max_num_seqs:
             raise ValueError(f"MOIRA: {nd} decode rows exceed max_num_seqs={self.max_num_seqs}")
-        # Each decode row's own gamma (its request's moira_gamma; 0 = server's):
-        # a device-to-device copy into the workspace's persistent buffer, which
-        # also resets the rows past the decode rows. build() runs eagerly every
-        # step, before a FULL graph replays, so the copy is never captured;
-        # Select reads the buffer inside the graph.
-        extras = cam.attn_request_extras
-        self.workspace.set_row_gamma(
-            None if extras is None else extras.get(MOIRA_GAMMA_EXTRA_ARG), nd
-        )
         prefill = dense_step = None
-        if self.cudagraph_step_class == 1:
+        step_class = self.cudagraph_step_class
+        if step_class in (1, 2):
             if npf > 0:
                 raise RuntimeError(
-                    "MOIRA: a dense-step graph (CUDA-graph step class 1) was chosen for a "
-                    f"batch with {npf} prefill rows; the runner classifies decode steps only"
+                    f"MOIRA: a dense-step graph (CUDA-graph step class {step_class}) was "
+                    f"chosen for a batch with {npf} prefill rows; the runner classifies "
+                    "decode steps only"
                 )
-            # Every row dense: FA3 on the whole batch, in this class's graph.
+            # Every row dense: FA3 on the whole batch, in this class's graph
+            # (no Select, so no per-row gamma to load).
             dense_step = super().build(common_prefix_len, cam, fast_build)
             self._count_dense_step_reads(cam)
-        elif npf > 0:
-            prefill = super().build(0, slice_prefill_common_metadata(cam, nd, ndt), fast_build)
+        else:
+            # Each decode row's own gamma (its request's moira_gamma; 0 = the
+            # server's): a device-to-device copy into the workspace's
+            # persistent buffer, which also resets the rows past the decode
+            # rows. build() runs eagerly every step, before a FULL graph
+            # replays, so the copy is never captured; Select reads the buffer
+            # inside the graph.
+            extras = cam.attn_request_extras
+            self.workspace.set_row_gamma(
+                None if extras is None else extras.get(MOIRA_GAMMA_EXTRA_ARG), nd
+            )
+            if npf > 0:
+                prefill = super().build(0, slice_prefill_common_metadata(cam, nd, ndt), fast_build)
         return MoiraMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=nd,
@@ -3198,6 +3235,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             prefill=prefill,
             workspace=self.workspace,
             dense_step=dense_step,
+            dense_step_fills_pages=step_class == 2,
         )
 
     def build_for_cudagraph_capture(
@@ -3210,19 +3248,20 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             self._capturing = False
 
     def _count_dense_step_reads(self, cam: CommonAttentionMetadata) -> None:
-        # A dense step reads every page, so it adds its pages to both of
-        # read_stats' counters, as Select would have (per layer and KV head).
-        # One scalar add on the stream before the graph replays: no host sync.
+        # A dense step reads every page of its rows (per layer and KV head, as
+        # Select would have counted them). Counted on the host, from the
+        # rows' lengths: no launch and no copy in the step.
         if self._capturing or cam.seq_lens_cpu_upper_bound is None:
             return
         logger.info_once(
             "MOIRA: decode steps whose rows are all dense run FA3 in their own CUDA "
             "graphs (MOIRA_DENSE_STEPS=fa3)"
         )
-        seq = cam.seq_lens_cpu_upper_bound[: cam.num_reqs]
-        pages = int(((seq + MOIRA_PAGE_SIZE - 1) // MOIRA_PAGE_SIZE).sum())
-        if pages > 0:
-            self.workspace.read_stats.add_(pages * self.num_heads_kv * len(self.layer_names))
+        seq = cam.seq_lens_cpu_upper_bound[: cam.num_reqs].numpy()
+        pages = int(((seq + (MOIRA_PAGE_SIZE - 1)) // MOIRA_PAGE_SIZE).sum())
+        pages *= self.num_heads_kv * len(self.layer_names)
+        self.workspace.dense_read_pages += pages
+        self.read_stats_poller.observe_host(pages)
 
 
 # --------------------------------------------------------------------------
@@ -3402,7 +3441,7 @@ class MoiraImpl(FlashAttentionImpl):
             # Every row is read whole: FA3 decodes the batch. The pages that
             # this step's tokens filled still get their summaries, for the
             # steps in which these rows are no longer dense.
-            if writes_summaries and kv_cache.numel() > 0:
+            if attn_metadata.dense_step_fills_pages and writes_summaries and kv_cache.numel() > 0:
                 write_page_summaries(kv_cache, self._get_summaries(kv_cache), dense_step.slot_mapping)
             return super().forward(layer, query, key, value, kv_cache, dense_step, output)
 
