@@ -332,8 +332,7 @@ class MoiraConfig:
             )
         if self.dense_steps not in MOIRA_DENSE_STEPS:
             raise ValueError(
-                f"Moira: dense_steps must be one of {MOIRA_DENSE_STEPS}, "
-                f"got {self.dense_steps!r}"
+                f"Moira: dense_steps must be one of {MOIRA_DENSE_STEPS}, got {self.dense_steps!r}"
             )
         if self.estimator not in MOIRA_ESTIMATORS:
             raise ValueError(
@@ -2630,12 +2629,12 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
 #: Defaults of the serving backend that differ from MoiraConfig's (the kernel
 #: API's defaults are the paper's algorithm), both measured on the H200
 #: (docs/benchmarks.md): rows of small decode batches are read whole (at
-#: batch 1 up to 32k tokens the Estimate + Select latency costs more than the
-#: pages it saves, at 64k it does not; 48k since those steps run FA3), and Attend shares the step's pages evenly among its
-#: blocks ("pages": flat in the spread of list lengths, and 3-6% off TPOT at
-#: 8k x32 and 130k x4 against Alg. 2's chunks per list). Steps whose rows are
-#: all dense run FA3 ("fa3": what those rows compute anyway, without Moira's
-#: per-layer launches).
+#: batch 1 and 32k tokens the Estimate + Select latency costs more than the
+#: pages it saves, at 64k it does not: 48k), steps whose rows are all dense
+#: run FA3 ("fa3": what those rows compute anyway, without Moira's per-layer
+#: launches), and Attend shares the step's pages evenly among its blocks
+#: ("pages": flat in the spread of list lengths, and 3-6% off TPOT at 8k x32
+#: and 130k x4 against Alg. 2's chunks per list).
 MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {
     "dense_batch_tokens": 49152,
     "attend_schedule": "pages",
@@ -3442,7 +3441,9 @@ class MoiraImpl(FlashAttentionImpl):
             # this step's tokens filled still get their summaries, for the
             # steps in which these rows are no longer dense.
             if attn_metadata.dense_step_fills_pages and writes_summaries and kv_cache.numel() > 0:
-                write_page_summaries(kv_cache, self._get_summaries(kv_cache), dense_step.slot_mapping)
+                write_page_summaries(
+                    kv_cache, self._get_summaries(kv_cache), dense_step.slot_mapping
+                )
             return super().forward(layer, query, key, value, kv_cache, dense_step, output)
 
         # Padded FULL-graph batches may have more (padded) rows than real
