@@ -6,7 +6,7 @@ message; every figure that can be drawn is written:
 
   tpot_prmt_h200.json + tpot_qwen_h200.json -> docs/img/tpot_speedup.png
                      (dense / Moira TPOT by shape, Llama-3.1-8B and Qwen3-4B)
-  tpot_pages_b1_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
+  tpot_b1_fa3steps_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
   tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
   kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
   serving_h200.json (set A) + serving_setB*_h200.json (set B)
@@ -34,7 +34,7 @@ TPOT_LATEST = "tpot_prmt_h200.json"
 #: Qwen3-4B at the five shapes (each shape's pair from one call; tpot_qwen_now + tpot_qwen_mid).
 TPOT_QWEN_LATEST = "tpot_qwen_h200.json"
 #: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
-TPOT_BATCH1_LATEST = "tpot_pages_b1_h200.json"
+TPOT_BATCH1_LATEST = "tpot_b1_fa3steps_h200.json"
 #: Legend of the kernel-spread arms (bench_kernel_spread.py methods).
 KERNEL_METHOD_LABELS = {"moira_pages": "moira (pages, backend default)",
                         "moira": "moira (lists, Alg. 2)"}  # fmt: skip

@@ -208,7 +208,7 @@ def test_config_defaults():
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
     # The backend reads rows of small batches whole; the kernel API does not.
-    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 49152)
+    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 36864)
     assert cfg.attend_schedule == "pages"
     assert moira_module().MoiraConfig().attend_schedule == "lists"  # Alg. 2
     assert moira_module().MoiraConfig().dense_batch_tokens == 0
@@ -499,7 +499,7 @@ def test_builder_declares_a_dense_step_class(builder, step_class):
     import numpy as np
 
     assert builder.get_cudagraph_step_classes() == 3  # dense_steps="fa3"
-    # Backend default: 49152 tokens = 768 pages per (row x graph rows).
+    # Backend default: 36864 tokens = 576 pages per (row x graph rows).
     assert builder.classify_cudagraph_step(8, np.array([1023, 70])) == 1
     # Class 2: a row's new token is the last of its page (length % 64 == 0),
     # so the step must also write that page's summary.

@@ -110,7 +110,7 @@ def test_layouts_bitwise_equal(case):
 
 
 # Small batches with the serving backend's settings: the Attend fill rule cuts
-# batch-1 lists into small chunks, and rows of context x batch <= 49152 tokens
+# batch-1 lists into small chunks, and rows of context x batch <= 36864 tokens
 # take the dense-row path (identity lists, no Estimate work).
 SMALL_BATCH_SHAPES = [(1, 2048), (1, 65536), (2, 12288)]
 

@@ -2630,13 +2630,13 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
 #: API's defaults are the paper's algorithm), both measured on the H200
 #: (docs/benchmarks.md): rows of small decode batches are read whole (at
 #: batch 1 and 32k tokens the Estimate + Select latency costs more than the
-#: pages it saves, at 64k it does not: 48k), steps whose rows are all dense
+#: pages it saves, at 44k it does not: 36k), steps whose rows are all dense
 #: run FA3 ("fa3": what those rows compute anyway, without Moira's per-layer
 #: launches), and Attend shares the step's pages evenly among its blocks
 #: ("pages": flat in the spread of list lengths, and 3-6% off TPOT at 8k x32
 #: and 130k x4 against Alg. 2's chunks per list).
 MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {
-    "dense_batch_tokens": 49152,
+    "dense_batch_tokens": 36864,
     "attend_schedule": "pages",
     "dense_steps": "fa3",
 }
