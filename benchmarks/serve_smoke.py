@@ -162,22 +162,41 @@ def gamma_check(base: str, args: argparse.Namespace) -> dict:
         result["dense_text"] = dense_text
         checks["gamma_1_equals_dense"] = bool(gamma_1) and all(t == dense_text for t in gamma_1)
     result["checks"] = checks
-    informative = informative_checks(args.load_format)
+    # The requests alone are batch-1 rows: at or under the dense-row threshold
+    # every page is read whatever gamma is, so gamma cannot change the reads.
+    threshold = dense_batch_tokens()
+    longest = max(r["prompt_tokens"] for r in together) + GAMMA_CHECK_TOKENS
+    rows_read_whole = threshold is not None and longest <= threshold
+    result["rows_read_whole"] = rows_read_whole
+    informative = informative_checks(args.load_format, rows_read_whole)
     result["informative_checks"] = sorted(informative)
     result["ok"] = all(v for k, v in checks.items() if k not in informative)
     return result
 
 
-def informative_checks(load_format: str) -> set[str]:
+def informative_checks(load_format: str, rows_read_whole: bool = False) -> set[str]:
     """Checks of gamma_check that are recorded but need not hold: bf16
     split-KV results may legitimately differ between batch shapes
-    (batch_independent), and on dummy weights every page has the same mass,
-    so a smaller gamma still keeps every page (smaller_gamma_reads_less).
-    Every other check must hold for ``ok``."""
+    (batch_independent); and a smaller gamma still keeps every page
+    (smaller_gamma_reads_less) on dummy weights, where every page has the same
+    mass, and when the prompt is short enough that the backend reads a batch-1
+    row whole (rows_read_whole: MOIRA_DENSE_BATCH_TOKENS). Every other check
+    must hold for ``ok``."""
     informative = {"batch_independent"}
-    if load_format == "dummy":
+    if load_format == "dummy" or rows_read_whole:
         informative.add("smaller_gamma_reads_less")
     return informative
+
+
+def dense_batch_tokens() -> int | None:
+    """The server's dense-row threshold (MOIRA_DENSE_BATCH_TOKENS, else the
+    backend's default), read as the server reads it; None where the backend
+    cannot be imported."""
+    try:
+        from vllm.v1.attention.backends.moira import moira_config_from_env
+    except ImportError:
+        return None
+    return moira_config_from_env().dense_batch_tokens
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,3 +68,17 @@ def test_informative_checks_on_dummy_and_real_weights():
     # on real (or random-init) weights it must.
     assert smoke.informative_checks("dummy") == {"batch_independent", "smaller_gamma_reads_less"}
     assert smoke.informative_checks("auto") == {"batch_independent"}
+    # A prompt the backend reads whole at batch 1: gamma cannot change the reads.
+    assert smoke.informative_checks("auto", rows_read_whole=True) == {
+        "batch_independent",
+        "smaller_gamma_reads_less",
+    }
+
+
+def test_dense_batch_tokens_is_the_servers_threshold(monkeypatch):
+    from benchmarks import serve_smoke as smoke
+
+    monkeypatch.delenv("MOIRA_DENSE_BATCH_TOKENS", raising=False)
+    assert smoke.dense_batch_tokens() == 36864  # the backend default
+    monkeypatch.setenv("MOIRA_DENSE_BATCH_TOKENS", "0")
+    assert smoke.dense_batch_tokens() == 0
