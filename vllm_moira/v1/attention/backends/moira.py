@@ -3017,7 +3017,7 @@ class MoiraMetadata:
     prefill: FlashAttentionMetadata | None
     # Persistent buffers and the selector (workspace.config, set_selector).
     workspace: MoiraWorkspace
-    # Dense step (dense_steps="fa3", CUDA-graph step class 1): FA metadata
+    # Dense step (dense_steps="fa3", CUDA-graph step class 1 or 2): FA metadata
     # for the whole batch, every row a decode row read whole by FA3. None in
     # every other step.
     dense_step: FlashAttentionMetadata | None = None
@@ -3176,7 +3176,8 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def classify_cudagraph_step(self, num_reqs_padded: int, seq_lens_upper_bound: Any) -> int:
         config = self.workspace.config  # set_selector may change the threshold
-        dense_pages = config.dense_batch_tokens // MOIRA_PAGE_SIZE
+        # The dense pages that Estimate and Select read from selector_params.
+        dense_pages = config.selector_values()[3]
         if config.dense_steps != "fa3" or dense_pages == 0 or len(seq_lens_upper_bound) == 0:
             return 0
         max_pages = cdiv(int(seq_lens_upper_bound.max()), MOIRA_PAGE_SIZE)
