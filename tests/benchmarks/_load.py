@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
+    """``load("bench_tpot")`` or ``load("probes.kernel_resources")``."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     return importlib.import_module(f"benchmarks.{name}")

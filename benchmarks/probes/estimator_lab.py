@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Issue 10 scratch lab: fast evaluation of candidate page-mass estimators on the
-cached SmolLM2 captures of ``benchmarks.estimator_study`` (no model load).
+cached SmolLM2 captures of ``benchmarks.probes.estimator_study`` (no model load).
 
-    python -m benchmarks.estimator_lab --context 4096 --est mvar top:2:dev ...
+    python -m benchmarks.probes.estimator_lab --context 4096 --est mvar top:2:dev ...
 
 Per-page exact log-masses and per-page partial outputs are computed once per row, so
 any page list's output is a masked LSE merge (same numbers as ``ref.attend_pages``).
@@ -22,7 +22,7 @@ import torch
 
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "benchmarks" / "scratch" / "estimator_cache"
 P = 64
 LOG_P = math.log(P)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Issue 10: page-mass estimators on real SmolLM2-135M queries/keys (CPU).
 
-    python -m benchmarks.estimator_study [--contexts 4096 8192] [--prompts 2] [--last-k 16]
+    python -m benchmarks.probes.estimator_study [--contexts 4096 8192] [--prompts 2] [--last-k 16]
 
 For needle prompts (Paul Graham essays, one needle at 50% depth + question), the
 post-RoPE q/k/v of every layer at the last ``K`` prompt positions (teacher-forced
@@ -32,7 +32,7 @@ from benchmarks.accuracy import data as D
 from benchmarks.accuracy import harness as H
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "benchmarks" / "scratch" / "estimator_cache"
 ESTIMATORS = ["oracle", "mvar", "mvar_rem", "mvar_top2", "mvar_top4", "mvar_bennett", "box"]
 # earlier candidates, still selectable with --estimators: mvar_box mvar_cap vscale:2 ext:8 mvar_top1
@@ -249,7 +249,7 @@ def main() -> None:
             "cv_across_steps_mean": float(torch.tensor(per_step).nanmean()),
         }
     out = {
-        "command": "python -m benchmarks.estimator_study "
+        "command": "python -m benchmarks.probes.estimator_study "
         + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items()

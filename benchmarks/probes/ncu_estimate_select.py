@@ -9,7 +9,7 @@ moira_correctness.py times them).
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats --section LaunchStats \\
         --section MemoryWorkloadAnalysis --section SchedulerStats \\
-        python benchmarks/ncu_estimate_select.py --shape 4x131072 \\
+        python benchmarks/probes/ncu_estimate_select.py --shape 4x131072 \\
         --estimators int8:mvar_top8,int8:mvar
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.moira_correctness import (
     SCALE,

@@ -21,13 +21,13 @@ registers). The numbers depend on the Triton version: the H200 host runs
 Triton 3.6; to match it here,
 
     pip install triton==3.6.0 --no-deps --target /tmp/triton36
-    python benchmarks/kernel_resources.py --triton-path /tmp/triton36
+    python benchmarks/probes/kernel_resources.py --triton-path /tmp/triton36
 
 At 4x131072, Llama-3.1-8B geometry, Triton 3.6 gives Attend 148 registers
 (Nsight Compute on the H200: 148, 3 blocks per SM), the same as the H200's
 own compile.
 
-    python benchmarks/kernel_resources.py [--rows 4] [--context 131072]
+    python benchmarks/probes/kernel_resources.py [--rows 4] [--context 131072]
         [--estimator mvar_top8] [--summary-dtype int8] [--src DIR] [--json OUT]
 
 ``--src DIR`` imports ``vllm_moira`` from DIR instead of this checkout (a
@@ -87,7 +87,7 @@ def _import_moira(src: str | None, triton_path: str | None):
     os.environ.pop("TRITON_INTERPRET", None)
     if triton_path:
         sys.path.insert(0, triton_path)
-    sys.path.insert(0, src or str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, src or str(Path(__file__).resolve().parents[2]))
     from vllm_moira.v1.attention.backends import moira
 
     return moira
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{same_summary_layouts} {summary_layouts[0] if summary_layouts else ''}")  # fmt: skip
     if a.json:
         record = {
-            "command": "python benchmarks/kernel_resources.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python benchmarks/probes/kernel_resources.py " + " ".join(argv or sys.argv[1:]),
             "triton": triton.__version__,
             "target": "cuda sm_90",
             "shape": f"{a.rows}x{a.context}",

@@ -13,7 +13,7 @@ one run, next to dense FA3's prefill attention over the same chunk (causal,
 replays as moira_correctness.py. Every launch's summaries are compared with
 the tree launch's, bit for bit (``same_bits_as_tree``).
 
-    python benchmarks/writer_warps.py --out OUT.json
+    python benchmarks/probes/writer_warps.py --out OUT.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from vllm.v1.attention.backends import moira  # noqa: E402

@@ -9,7 +9,7 @@ compaction (cumsum + scattered store). Every time is the median per launch of
 20 back-to-back launches replayed in one CUDA graph, as moira_correctness.py
 times them.
 
-    python benchmarks/profile_select.py --shape 4x131072 --json OUT.json
+    python benchmarks/probes/profile_select.py --shape 4x131072 --json OUT.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from vllm.v1.attention.backends import moira  # noqa: E402

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Kept fractions of a real model, for the kernel-spread benchmark's CV "real" rows.
 
-Reads the estimator study (``benchmarks/estimator_study.py`` output, real SmolLM2-135M
+Reads the estimator study (``benchmarks/probes/estimator_study.py`` output, real SmolLM2-135M
 weights, needle prompts at 4k and 8k) and writes the mean kept fraction of every
 (layer, KV head) for one estimator at gamma=0.98 as ``{"fractions": [...]}``, the
 format ``bench_kernel_spread.py --real-fractions`` reads. These are means over the
@@ -9,7 +9,7 @@ study's decode steps and both contexts: they carry the spread across layers and 
 heads (paper Fig. 1a), not the extra spread across steps (recorded next to them as
 ``cv_across_steps_mean``).
 
-    python benchmarks/export_real_fractions.py --estimator mvar_top4 \\
+    python benchmarks/probes/export_real_fractions.py --estimator mvar_top4 \\
         --out benchmarks/results/real_fractions_smollm2.json
 """
 
@@ -38,7 +38,7 @@ def main() -> None:
     fractions = [min(1.0, max(x, 1e-4)) for x in fractions]  # (0, 1] for the benchmark
     mean = statistics.fmean(fractions)
     out = {
-        "command": "python benchmarks/export_real_fractions.py "
+        "command": "python benchmarks/probes/export_real_fractions.py "
         f"--study {args.study} --estimator {args.estimator} --out {args.out}",
         "source": f"{args.study} ({study.get('model', 'SmolLM2-135M-Instruct')}), {KEY}",
         "estimator": args.estimator,

@@ -6,7 +6,7 @@ Why it matters: before the writer was compiled at KV-cache bind time
 request's prefill step and stalled every running request. Run it with an
 empty cache directory, so the first launch compiles:
 
-    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/writer_cold_compile.py
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/probes/writer_cold_compile.py
 
 Per summary layout: the first launch (``warm_up_summary_writer``: the
 compilation), then one write on a slot mapping 8 bytes off 16-byte alignment
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from vllm.v1.attention.backends import moira
 
 
