@@ -58,6 +58,8 @@ USE_ACTIVE="${MOIRA_USE_ACTIVE_ENV:-0}"
 PY=""
 TARGET_VLLM=""
 PATCH_DIR="${MOIRA_PATCHES_DIR:-${ROOT}/patches}"
+PATCH_DIR_FROM="MOIRA_PATCHES_DIR"
+[[ -n "${MOIRA_PATCHES_DIR:-}" ]] || PATCH_DIR_FROM="the default patch directory"
 VLLM_SRC=""
 IMPORT_CHECK=0
 CACHE_DIR="${MOIRA_CACHE_DIR:-${ROOT}/.cache}"
@@ -83,6 +85,7 @@ while [[ $# -gt 0 ]]; do
     --patches)
         [[ $# -ge 2 ]] || die "--patches needs a directory"
         PATCH_DIR="$2"
+        PATCH_DIR_FROM="--patches"
         shift
         ;;
     --check) MODE=check ;;
@@ -98,7 +101,11 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-PATCH_DIR="$(cd "${PATCH_DIR}" 2>/dev/null && pwd || echo "${PATCH_DIR}")"
+# A mistyped patch directory must not build "nothing to apply" as if it were the series.
+# An existing series may be empty (nothing to apply).
+[[ -d "${PATCH_DIR}" ]] || die "${PATCH_DIR_FROM} ${PATCH_DIR}: no such directory (a patch directory holds a 'series' file)"
+[[ -f "${PATCH_DIR}/series" ]] || die "${PATCH_DIR_FROM} ${PATCH_DIR}: no 'series' file in it (a patch directory lists its patches, in order, in 'series')"
+PATCH_DIR="$(cd "${PATCH_DIR}" && pwd)"
 SERIES="${PATCH_DIR}/series"
 
 # ---------------------------------------------------------------- patch helpers
@@ -205,6 +212,7 @@ revert_recorded_series() {
     mapfile -t names < <(SERIES="${rec}/series" series_patches)
     for ((i = ${#names[@]} - 1; i >= 0; i--)); do
         name="${names[i]}"
+        patch_touches_package "${rec}/${name}" || continue # tests only: never installed
         if apply_tool "${dir}" "${rec}/${name}" check-reverse >/dev/null 2>&1; then
             if [[ "${PATCH_TOOL}" == patch ]]; then
                 patch -p1 -R -f --fuzz=0 --no-backup-if-mismatch -r - -d "${dir}" \
@@ -269,18 +277,29 @@ apply_over_leftovers() {
     return 1
 }
 
+# patch_touches_package PATCHFILE: true when the patch changes a file under vllm/ (the
+# installed package); a patch of vLLM's tests/ alone is for the source tree only.
+patch_touches_package() {
+    grep -qE '^\+\+\+ b/vllm/' "$1"
+}
+
 # apply_series ROOTDIR  (ROOTDIR holds vllm/): idempotent.
 apply_series() {
     local dir="$1" name file out
     local -a names
     mapfile -t names < <(series_patches)
     if [[ ${#names[@]} -eq 0 ]]; then
-        log "patches: none (no series or empty series at ${SERIES})"
+        log "patches: none (empty series at ${SERIES})"
         return 0
     fi
     for name in "${names[@]}"; do
         file="${PATCH_DIR}/${name}"
         [[ -f "${file}" ]] || die "patch listed in ${SERIES} not found: ${name}"
+        if ! patch_touches_package "${file}"; then
+            # An installed vLLM has no tests/ tree; --check applies these to the sdist.
+            log "patch ${name}: changes vLLM's tests only, nothing to install"
+            continue
+        fi
         if out="$(apply_tool "${dir}" "${file}" check 2>&1)"; then
             if ! out="$(apply_tool "${dir}" "${file}" apply 2>&1)"; then
                 printf '%s\n' "${out}" >&2
@@ -356,7 +375,7 @@ run_check() {
     local -a names
     mapfile -t names < <(series_patches)
     if [[ ${#names[@]} -eq 0 ]]; then
-        log "check: OK, series is empty or missing (${SERIES}): nothing to apply"
+        log "check: OK, series is empty (${SERIES}): nothing to apply"
         return 0
     fi
     local name file out i=0

@@ -181,15 +181,34 @@ def test_check_sequential_dependency(clean_src: Path, tmp_path: Path):
     assert "0003-on-top.patch" in proc.stderr
 
 
-def test_check_missing_or_empty_series(clean_src: Path, tmp_path: Path):
+def test_check_empty_series_applies_nothing(clean_src: Path, tmp_path: Path):
     empty = tmp_path / "none"
     empty.mkdir()
-    proc = run_build("--check", "--vllm-src", str(clean_src), "--patches", str(empty))
-    assert proc.returncode == 0, proc.stderr
     (empty / "series").write_text("# nothing yet\n\n")
     proc = run_build("--check", "--vllm-src", str(clean_src), "--patches", str(empty))
     assert proc.returncode == 0, proc.stderr
     assert "nothing to apply" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", [[], ["--check"]], ids=["build", "check"])
+def test_mistyped_patch_directory_fails_naming_the_option(tmp_path: Path, mode: list[str]):
+    """A patch directory that does not exist, or has no series, is an error (it once built
+    nothing and reported "already the Moira build"); nothing is touched before the check."""
+    missing = tmp_path / "nonexistent"
+    proc = run_build(*mode, "--patches", str(missing))
+    assert proc.returncode != 0
+    assert f"--patches {missing}: no such directory" in proc.stderr
+    assert "already the Moira build" not in proc.stdout
+
+    no_series = tmp_path / "no-series"
+    no_series.mkdir()
+    proc = run_build(*mode, "--patches", str(no_series))
+    assert proc.returncode != 0
+    assert "no 'series' file" in proc.stderr
+
+    proc = run_build(*mode, env={"MOIRA_PATCHES_DIR": str(missing)})
+    assert proc.returncode != 0
+    assert f"MOIRA_PATCHES_DIR {missing}: no such directory" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- build
