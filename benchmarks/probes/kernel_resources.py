@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{same_summary_layouts} {summary_layouts[0] if summary_layouts else ''}")  # fmt: skip
     if a.json:
         record = {
-            "command": "python benchmarks/probes/kernel_resources.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python benchmarks/probes/kernel_resources.py "
+            + " ".join(argv or sys.argv[1:]),
             "triton": triton.__version__,
             "target": "cuda sm_90",
             "shape": f"{a.rows}x{a.context}",

@@ -12,6 +12,7 @@ import sys
 from _load import ROOT, load
 
 kr = load("probes.kernel_resources")
+SCRIPT = "benchmarks/probes/kernel_resources.py"
 
 
 def test_blocks_per_sm_from_registers_warps_and_shared_memory():
@@ -33,7 +34,7 @@ def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     subprocess: the tests' own import runs Triton in interpreter mode."""
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "benchmarks/probes/kernel_resources.py", "--rows", "2", "--context", "4096",
+    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096",
            "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -66,7 +67,7 @@ def test_two_slot_estimate_sums_page_summaries_in_the_writers_layout(tmp_path):
     agree (the check that this test runs reported False on that tree)."""
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "benchmarks/probes/kernel_resources.py", "--rows", "2", "--context", "4096",
+    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096",
            "--estimator", "mvar", "--summary-dtype", "int8", "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -94,7 +95,7 @@ def test_page_schedule_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     kernels, one Attend block per N_F (396 off the GPU), no GPU-wide fence."""
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "benchmarks/probes/kernel_resources.py", "--rows", "2", "--context", "4096",
+    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096",
            "--attend-schedule", "pages", "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
