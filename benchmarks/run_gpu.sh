@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# Run Moira's GPU tests and benchmarks on an offline Hopper host, from the checkout root.
+# See --help. Every step writes NAME.json (the record) and NAME.log into --out, and
+# run.json there lists the commit, whether the tree was dirty, the MOIRA_* environment
+# and each step's command, exit status and seconds.
+set -uo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: bash benchmarks/run_gpu.sh [OPTIONS] STEP [STEP...]
+
+Installs the vLLM 0.30.0 bundle, builds Moira into it (build.sh --use-active-env),
+then runs the named steps in order. Run from the checkout root on the GPU host.
+
+Steps (NAME[:ARG]):
+  gpu-tests            MOIRA_TEST_GPU=1 pytest -m gpu tests (ARG: a pytest -k expression)
+  correctness[:SHAPES] moira_correctness.py: correctness record + timing sanity
+                       (SHAPES default 4x131072,32x8192)
+  tpot[:SHAPES]        bench_tpot.py: FLASH_ATTN, then MOIRA, then --merge into tpot.json
+                       (SHAPES: CONTEXTxBATCH,... e.g. tpot:130048x4,8192x32; default:
+                       the script's shapes)
+  kernel-spread        bench_kernel_spread.py (CV 0, 1 and the real fractions)
+  serving[:SET]        bench_serving.py, dense and moira arms (SET: A or B, default A)
+  soak                 soak_serve.py, phases moira1 and dense
+  smoke                serve_smoke.py: `vllm serve` with VLLM_ATTENTION_BACKEND=MOIRA
+  e2e                  e2e_moira_vllm.py: MOIRA at gamma=1 vs FLASH_ATTN, greedy tokens
+  summaries            summaries_in_vllm.py: page summaries inside vLLM vs the keys
+  vllm-tests[:GAMMA]    vLLM's own backend tests with MOIRA added (patch 0007), through
+                       tests/upstream/run_vllm_tests.py; needs `run_vllm_tests.py stage`
+                       run beforehand on a machine with the sdist (GAMMA default 1)
+  accuracy             benchmarks/accuracy/run_accuracy_vllm.py run (FLASH_ATTN, MOIRA),
+                       then merge; needs --acc-prompts and --acc-model
+
+Options:
+  --out DIR            output directory (required; created)
+  --shared DIR         the shared GPU kit: install_vllm_bundle.sh, models (default .shared)
+  --bundle DIR         vLLM bundle parts (default .stage/vllm030)
+  --prefix DIR         where the bundle is unpacked (default /opt/vllm030)
+  --no-install         reuse an already installed and built PREFIX
+  --step-timeout S     kill a step after S seconds (default: none)
+  --acc-prompts FILE   accuracy prompts (run_accuracy_vllm export; default
+                       .stage/accuracy/prompts.json)
+  --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py;
+                       default .stage/accuracy/model)
+  -h, --help           this text
+
+The Moira configuration is the MOIRA_* environment this script is started with;
+it is recorded in run.json. Example:
+  MOIRA_GAMMA=0.98 bash benchmarks/run_gpu.sh --out /tmp/out gpu-tests correctness \
+      tpot:130048x4,8192x32
+EOF
+}
+
+OUT=""
+SHARED=".shared"
+BUNDLE=".stage/vllm030"
+PREFIX="/opt/vllm030"
+INSTALL=1
+STEP_TIMEOUT=0
+ACC_PROMPTS=".stage/accuracy/prompts.json"
+ACC_MODEL=".stage/accuracy/model"
+STEPS=()
+
+need_value() {
+    if [[ $# -lt 2 || -z "$2" ]]; then
+        echo "run_gpu.sh: $1 needs a value" >&2
+        exit 2
+    fi
+}
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --out) need_value "$@"; OUT=$2; shift ;;
+        --shared) need_value "$@"; SHARED=$2; shift ;;
+        --bundle) need_value "$@"; BUNDLE=$2; shift ;;
+        --prefix) need_value "$@"; PREFIX=$2; shift ;;
+        --no-install) INSTALL=0 ;;
+        --step-timeout) need_value "$@"; STEP_TIMEOUT=$2; shift ;;
+        --acc-prompts) need_value "$@"; ACC_PROMPTS=$2; shift ;;
+        --acc-model) need_value "$@"; ACC_MODEL=$2; shift ;;
+        -h | --help) usage; exit 0 ;;
+        -*) echo "run_gpu.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        *) STEPS+=("$1") ;;
+    esac
+    shift
+done
+
+if [[ -z "${OUT}" ]]; then
+    echo "run_gpu.sh: --out DIR is required (see --help)" >&2
+    exit 2
+fi
+if [[ ${#STEPS[@]} -eq 0 ]]; then
+    echo "run_gpu.sh: no step named (see --help)" >&2
+    exit 2
+fi
+for step in "${STEPS[@]}"; do
+    case "${step%%:*}" in
+        gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
+            | summaries | vllm-tests | accuracy) ;;
+        *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
+    esac
+done
+if [[ ! -f build.sh || ! -d benchmarks ]]; then
+    echo "run_gpu.sh: run it from the checkout root" >&2
+    exit 2
+fi
+
+mkdir -p "${OUT}"
+OUT=$(cd "${OUT}" && pwd)
+MODELS="${SHARED}/gpu/models"
+MODEL="${MODELS}/Llama-3.1-8B"
+TOKENIZER="${MODELS}/tokenizer-smollm2"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+log() { echo "[run_gpu $(($(date +%s) - T0)) s] $*" | tee -a "${OUT}/run.log"; }
+
+# run.json: written once here, each step appended by record_step.
+COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+DIRTY=false
+if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+    DIRTY=true
+fi
+python3 - "${OUT}/run.json" "${COMMIT}" "${DIRTY}" <<'PYEOF'
+import json, os, sys
+path, commit, dirty = sys.argv[1:]
+moira = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOIRA_")}
+json.dump({"commit": commit, "dirty": dirty == "true", "moira_env": moira, "steps": []},
+          open(path, "w"), indent=1)
+PYEOF
+
+record_step() {  # NAME RC SECONDS COMMAND...
+    python3 - "${OUT}/run.json" "$@" <<'PYEOF'
+import json, sys
+path, name, rc, seconds, *command = sys.argv[1:]
+run = json.load(open(path))
+run["steps"].append({"step": name, "rc": int(rc), "seconds": int(seconds),
+                     "command": " ".join(command)})
+json.dump(run, open(path, "w"), indent=1)
+PYEOF
+}
+
+FAILED=0
+# run NAME CMD...: run one command, its output to NAME.log, recorded in run.json.
+run() {
+    local name=$1 t rc
+    shift
+    log "${name}: $*"
+    t=$(date +%s)
+    if [[ "${STEP_TIMEOUT}" != 0 ]]; then
+        timeout "${STEP_TIMEOUT}" "$@" >"${OUT}/${name}.log" 2>&1
+    else
+        "$@" >"${OUT}/${name}.log" 2>&1
+    fi
+    rc=$?
+    record_step "${name}" "${rc}" "$(($(date +%s) - t))" "$@"
+    log "${name}: rc=${rc}"
+    tail -5 "${OUT}/${name}.log"
+    [[ ${rc} == 0 ]] || FAILED=1
+    return "${rc}"
+}
+
+if [[ ${INSTALL} == 1 ]]; then
+    log "install the vLLM bundle (${BUNDLE} -> ${PREFIX}) and build Moira"
+    rm -rf "${PREFIX}"
+    if ! bash "${SHARED}/gpu/install_vllm_bundle.sh" "${BUNDLE}" "${PREFIX}" >"${OUT}/build.log" 2>&1; then
+        tail -30 "${OUT}/build.log"
+        exit 1
+    fi
+fi
+if [[ ! -f "${PREFIX}/env.sh" ]]; then
+    echo "run_gpu.sh: ${PREFIX}/env.sh not found (drop --no-install?)" >&2
+    exit 1
+fi
+# shellcheck disable=SC1091  # written by install_vllm_bundle.sh on the GPU host
+source "${PREFIX}/env.sh"
+if [[ ${INSTALL} == 1 ]] && ! bash build.sh --use-active-env >>"${OUT}/build.log" 2>&1; then
+    tail -30 "${OUT}/build.log"
+    exit 1
+fi
+log "built at ${COMMIT} (dirty: ${DIRTY})"
+
+for step in "${STEPS[@]}"; do
+    name=${step%%:*}
+    arg=""
+    [[ "${step}" == *:* ]] && arg=${step#*:}
+    case "${name}" in
+        gpu-tests)
+            run gpu_tests env MOIRA_TEST_GPU=1 python -m pytest -m gpu -q tests \
+                ${arg:+-k "${arg}"}
+            ;;
+        correctness)
+            run correctness python benchmarks/moira_correctness.py \
+                --shapes "${arg:-4x131072,32x8192}" --json "${OUT}/correctness.json" \
+                --timing-json "${OUT}/correctness_timing.json"
+            ;;
+        tpot)
+            shapes=()
+            [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
+            run tpot_dense python benchmarks/bench_tpot.py --model "${MODEL}" \
+                --backend FLASH_ATTN "${shapes[@]}" --out "${OUT}/tpot_dense.json"
+            run tpot_moira python benchmarks/bench_tpot.py --model "${MODEL}" \
+                --backend MOIRA "${shapes[@]}" --out "${OUT}/tpot_moira.json"
+            if [[ -f "${OUT}/tpot_dense.json" && -f "${OUT}/tpot_moira.json" ]]; then
+                run tpot python benchmarks/bench_tpot.py --merge "${OUT}/tpot_dense.json" \
+                    "${OUT}/tpot_moira.json" --out "${OUT}/tpot.json"
+            fi
+            ;;
+        kernel-spread)
+            fractions=benchmarks/results/real_fractions_smollm2.json
+            if [[ -f "${fractions}" ]]; then
+                run kernel_spread python benchmarks/bench_kernel_spread.py \
+                    --real-fractions "${fractions}" --out "${OUT}/kernel_spread.json"
+            else
+                run kernel_spread python benchmarks/bench_kernel_spread.py --cvs 0,1 \
+                    --out "${OUT}/kernel_spread.json"
+            fi
+            ;;
+        serving)
+            run "serving_set${arg:-A}" python benchmarks/bench_serving.py --set "${arg:-A}" \
+                --model "${MODEL}" --tokenizer "${TOKENIZER}" --log-dir "${OUT}" \
+                --out "${OUT}/serving_set${arg:-A}.json"
+            ;;
+        soak)
+            run soak python benchmarks/soak_serve.py --phases moira1,dense --model "${MODEL}" \
+                --tokenizer "${TOKENIZER}" --out "${OUT}/soak.json"
+            ;;
+        smoke)
+            run smoke python benchmarks/serve_smoke.py --model "${MODEL}" \
+                --tokenizer "${TOKENIZER}" --out "${OUT}/smoke.json"
+            ;;
+        e2e)
+            run e2e python benchmarks/e2e_moira_vllm.py --model "${MODEL}" --out "${OUT}/e2e.json"
+            ;;
+        summaries)
+            run summaries python benchmarks/summaries_in_vllm.py --model "${MODEL}" \
+                --out "${OUT}/summaries.json"
+            ;;
+        vllm-tests)
+            run "vllm_tests_gamma${arg:-1}" python tests/upstream/run_vllm_tests.py run \
+                --gamma "${arg:-1}" --out "${OUT}"
+            ;;
+        accuracy)
+            if [[ ! -f "${ACC_PROMPTS}" || ! -d "${ACC_MODEL}" ]]; then
+                log "accuracy: needs --acc-prompts FILE (${ACC_PROMPTS}) and --acc-model DIR (${ACC_MODEL})"
+                FAILED=1
+                continue
+            fi
+            for backend in FLASH_ATTN MOIRA; do
+                run "accuracy_${backend,,}" python -m benchmarks.accuracy.run_accuracy_vllm run \
+                    --backend "${backend}" --prompts "${ACC_PROMPTS}" --model "${ACC_MODEL}" \
+                    --out "${OUT}/accuracy_${backend,,}.json"
+            done
+            run accuracy python -m benchmarks.accuracy.run_accuracy_vllm merge \
+                "${OUT}/accuracy_flash_attn.json" "${OUT}/accuracy_moira.json" \
+                --prompts "${ACC_PROMPTS}" --out "${OUT}/accuracy.json"
+            ;;
+    esac
+done
+
+log "done; records and logs in ${OUT} (run.json: commit, MOIRA_* env, steps)"
+exit "${FAILED}"
