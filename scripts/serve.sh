@@ -2,12 +2,18 @@
 # Build Moira into vLLM 0.30.0 and serve a model with the MOIRA backend (Hopper GPU).
 #
 #   bash scripts/serve.sh [MODEL_DIR_OR_ID] [extra 'vllm serve' args...]
+#   bash scripts/serve.sh --check     validate the MOIRA_* environment and print the
+#                                     resolved config (no GPU, no server; needs vLLM 0.30.0:
+#                                     the .venv of scripts/test.sh, or an active env)
 #
 # Without a model, SmolLM2-135M-Instruct is prepared offline into .cache/models/ by
-# scripts/prepare_model.py and served. Environment:
+# scripts/prepare_model.py and served. Serving needs an NVIDIA Hopper GPU (sm_90); this is
+# checked first, before anything is installed. Environment:
 #   MOIRA_BUILD_ARGS  arguments for build.sh (default: --use-active-env when python3 already
 #                     sees vLLM 0.30.0, e.g. the H200 PYTHONPATH bundle; else the .venv)
 #   MOIRA_VENV        venv used in .venv mode (default .venv)
+#   MOIRA_SKIP_GPU_CHECK=1  skip the Hopper check (e.g. a container without nvidia-smi
+#                     and without torch in its python3)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +31,99 @@ sys.exit(0 if re.search(r"__version__ = version = '0\.30\.0'", text) else 1)
 PYEOF
 }
 
+# Compute capabilities of the visible NVIDIA GPUs ("9.0" ...), one a line, without vLLM:
+# nvidia-smi, else torch in python3.
+gpu_compute_caps() {
+    if command -v nvidia-smi >/dev/null 2>&1 \
+        && nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null; then
+        return 0
+    fi
+    command -v python3 >/dev/null 2>&1 || return 1
+    python3 - <<'PYEOF' 2>/dev/null
+import torch
+for i in range(torch.cuda.device_count()):
+    print("%d.%d" % torch.cuda.get_device_capability(i))
+PYEOF
+}
+
+require_hopper() {
+    local caps
+    caps=$(gpu_compute_caps || true)
+    if grep -q '^ *9\.' <<<"${caps}"; then
+        return 0
+    fi
+    {
+        echo "[serve.sh] MOIRA needs an NVIDIA Hopper GPU (H100/H200, sm_90) and none was found"
+        if [[ -n "${caps//[[:space:]]/}" ]]; then
+            echo "[serve.sh] compute capability of the GPUs found: $(tr '\n' ' ' <<<"${caps}")"
+        else
+            echo "[serve.sh] no NVIDIA GPU visible (nvidia-smi and torch.cuda found none)"
+        fi
+        echo "[serve.sh] nothing was installed. 'bash scripts/serve.sh --check' validates the"
+        echo "[serve.sh] MOIRA_* settings without a GPU; MOIRA_SKIP_GPU_CHECK=1 skips this check."
+    } >&2
+    exit 1
+}
+
+venv_python() {
+    echo "${MOIRA_VENV:-${ROOT}/.venv}/bin/python"
+}
+
+# --check: MOIRA_* through the backend's own parser (moira_config_from_env), on the CPU.
+check_config() {
+    local py
+    if active_has_vllm; then
+        py=python3
+    else
+        py=$(venv_python)
+        if [[ ! -x "${py}" ]] || ! "${py}" -c "import vllm" >/dev/null 2>&1; then
+            echo "[serve.sh] --check imports Moira's backend, which needs vLLM 0.30.0: run" \
+                "'bash scripts/test.sh' once (it makes .venv), or activate an env with vLLM" \
+                "0.30.0, or set MOIRA_VENV" >&2
+            exit 2
+        fi
+    fi
+    # The backend imports the overlay's worker modules from the vllm package: bring the
+    # build up to date first (idempotent; seconds when nothing changed).
+    if ! bash build.sh --python "${py}" >"${TMPDIR:-/tmp}/moira-serve-check-build.log" 2>&1; then
+        tail -20 "${TMPDIR:-/tmp}/moira-serve-check-build.log" >&2
+        echo "[serve.sh] --check: build.sh failed (log above)" >&2
+        exit 2
+    fi
+    env VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 \
+        PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}" "${py}" - <<'PYEOF'
+import dataclasses
+import logging
+import os
+import sys
+
+logging.disable(logging.WARNING)  # vLLM's import-time platform notes
+try:
+    from vllm_moira.v1.attention.backends.moira import moira_config_from_env
+except ImportError as err:
+    print(f"[serve.sh] --check: cannot import Moira's backend: {err}", file=sys.stderr)
+    sys.exit(2)
+
+try:
+    config = moira_config_from_env()
+except ValueError as err:
+    print(f"[serve.sh] invalid Moira configuration: {err}", file=sys.stderr)
+    sys.exit(1)
+given = sorted(k for k in os.environ if k.startswith("MOIRA_"))
+print("[serve.sh] Moira configuration OK (set: %s)" % (", ".join(given) or "none"))
+for field in dataclasses.fields(config):
+    print(f"  {field.name} = {getattr(config, field.name)!r}")
+PYEOF
+}
+
+if [[ "${1:-}" == --check ]]; then
+    check_config
+    exit $?
+fi
+if [[ "${MOIRA_SKIP_GPU_CHECK:-0}" != 1 ]]; then
+    require_hopper
+fi
+
 if [[ -z "${MOIRA_BUILD_ARGS+x}" ]]; then
     if active_has_vllm; then MOIRA_BUILD_ARGS="--use-active-env"; else MOIRA_BUILD_ARGS=""; fi
 fi
@@ -34,7 +133,7 @@ bash build.sh ${MOIRA_BUILD_ARGS}
 if [[ "${MOIRA_BUILD_ARGS}" == *--use-active-env* ]]; then
     PY="python3"
 else
-    PY="${MOIRA_VENV:-${ROOT}/.venv}/bin/python"
+    PY=$(venv_python)
 fi
 
 if [[ $# -ge 1 && "$1" != -* ]]; then
