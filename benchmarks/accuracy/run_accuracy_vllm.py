@@ -1,47 +1,75 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 6 in vLLM: the RULER-style suite on real SmolLM2-135M weights, MOIRA vs FLASH_ATTN.
+"""The RULER-style suite in vLLM on the GPU: MOIRA arms against FLASH_ATTN (dense).
 
 The CPU harness (``run_accuracy.py``) decodes through the float32 reference and also
-measures token KL; here the same documents run through vLLM on the GPU, so the suite can
-cover 2k, 4k and 8k tokens with 20 documents per task. vLLM prefills with FA3 (dense), so a
-teacher-forced KL is not available here: rows carry scores and reads, ``kl`` is null.
+measures token KL; here the same kind of documents run through vLLM with real weights
+(``scripts/prepare_model.py``: SmolLM2-135M at 2k-8k, Qwen2.5-Coder-1.5B at 4k-32k). vLLM
+prefills with FA3 (dense), so rows carry scores and reads; ``kl`` is null.
 
 Three steps:
 
-1. ``export`` (CPU, where the tokenizer and the essays are): every document as chat-template
-   token ids plus its expected answers, to one JSON file::
+1. ``export`` (CPU, where the tokenizer and the haystacks are): every document as
+   chat-template token ids plus its expected answers (``.json`` or ``.json.gz``). The
+   model's defaults: ``smollm2-135m`` 2k/4k/8k, five tasks, the essays;
+   ``qwen2.5-coder-1.5b`` 4k/8k/16k/32k, six tasks (``data.LONG_TASKS``, with
+   niah_multiquery), documents alternating between the essays and Jane Austen. Twenty
+   documents per task and context. The answer budget (``max_new``) is the longest answer in
+   the model's tokens plus 8; every prompt plus that budget fits its context.
 
-       python -m benchmarks.accuracy.run_accuracy_vllm export --contexts 2048 4096 8192 \\
-           --docs 20 --out .stage/accuracy/prompts.json
+2. ``run`` (GPU host, vLLM 0.30 with Moira built in), one engine per backend and estimator,
+   greedy. ``--backend FLASH_ATTN``: the dense arm. ``--backend MOIRA``: coverage arms at
+   each ``--gammas`` value (default 0.99 0.98 0.95; a request's own gamma, SamplingParams
+   ``extra_args={"moira_gamma": g}``), gamma 1 (``--control``: every page, the bf16 noise
+   floor against FLASH_ATTN), then the fixed-count selector (switched in place with
+   ``rpc_set_selector``) at the read fraction that the ``--fixed-at`` arm (0.98) measured
+   on the same documents. The estimator is fixed when the KV cache is allocated
+   (``--estimator`` sets ``MOIRA_ESTIMATOR``), so the paper's ``mvar`` is its own engine:
+   ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed``. Documents run in
+   chunks of one context (``--chunk-tokens``) and every arm runs on a chunk before the next
+   chunk: with prefix caching (on by default) the later arms reuse the first arm's prefill,
+   so an arm costs little more than its decode steps. Reads: Select's counters, reset
+   before every arm and chunk (``MOIRA_DENSE_BATCH_TOKENS=0``: every row follows its arm's
+   rule). The record is rewritten after every chunk; ``--budget-s`` stops after the chunk
+   that would leave less time than the slowest chunk took (``"complete": false``), and
+   ``--resume`` continues such a record.
 
-2. ``run`` (GPU host, vLLM 0.30 with Moira built in, the model as a local HF directory),
-   once per backend; greedy, ``--max-new`` tokens::
+3. ``merge`` (anywhere): scores, the paired bootstrap (95%, by document) of each arm
+   against dense per (task, context), pooled per context, and pooled per context and
+   haystack; reads per arm and context.
 
-       python -m benchmarks.accuracy.run_accuracy_vllm run --backend FLASH_ATTN \\
-           --prompts prompts.json --model MODEL_DIR --out dense.json
-       python -m benchmarks.accuracy.run_accuracy_vllm run --backend MOIRA \\
-           --prompts prompts.json --model MODEL_DIR --out moira.json
+The Qwen2.5-Coder-1.5B run on one H200 (device calls are back to back: the host stays warm
+30 s after a call, and everything it holds is lost when it goes back)::
 
-   MOIRA arms, one ``generate`` per arm and context, switched in place with
-   ``rpc_set_selector``: the coverage rule at gamma 0.95, 0.98, 0.99 (the default
-   estimator), gamma 1 (every page: the bf16 noise floor against FLASH_ATTN), then the
-   fixed-count selector at the read fraction that gamma 0.98 measured at the same context
-   (equal reads). Reads come from Select's counters (``rpc_read_stats``), reset before
-   every arm. The dense-row path
-   is switched off (``MOIRA_DENSE_BATCH_TOKENS=0``) so that every row is decided by the
-   arm's rule, as on the CPU.
-
-3. ``merge`` (anywhere): scores, paired bootstrap (95%, by document) against dense, and the
-   rows of ``accuracy_smollm2.json``'s schema::
-
-       python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json \\
-           --out benchmarks/results/accuracy_smollm2_vllm_h200.json
+    # here (CPU, network):
+    python scripts/prepare_model.py --model qwen2.5-coder-1.5b          # ~5 min, 3.55 GB
+    python -m benchmarks.accuracy.data fetch                            # haystacks
+    python -m benchmarks.accuracy.run_accuracy_vllm export --model qwen2.5-coder-1.5b \\
+        --out .stage/accuracy_qwen/prompts.json.gz                      # 480 documents
+    python scripts/gpu_carry_model.py split --model qwen2.5-coder-1.5b  # prints the carries
+    # call 1 (carry .stage/vllm030, .shared, .stage/accuracy_qwen): install the bundle and
+    #   build Moira as benchmarks/run_gpu.sh does (~1-2 min);
+    #   mkdir -p /root/acc && cp .stage/accuracy_qwen/prompts.json.gz /root/acc/
+    # calls 2..N+1 (carry .carry/qwen2.5-coder-1.5b/manifest.json and one piece; the first
+    #   also .carry/qwen2.5-coder-1.5b/wheels), ~20-30 s each:
+    #   python3 scripts/gpu_carry_model.py receive
+    # call N+2 (~8 min): python3 scripts/gpu_carry_model.py assemble  (join, sha256, bf16,
+    #   ~2-3 min) && source /opt/vllm030/env.sh && python -m benchmarks.accuracy.run_accuracy_vllm
+    #   run --backend FLASH_ATTN --model /root/moira-model/qwen2.5-coder-1.5b/hf
+    #   --prompts /root/acc/prompts.json.gz --budget-s 300 --out $OUT/dense.json
+    # call N+3 (~8 min): ... run --backend MOIRA --budget-s 480 --out $OUT/moira.json
+    # call N+4 (~7 min): ... run --backend MOIRA --estimator mvar --gammas 0.99 0.98
+    #   --no-control --no-fixed --budget-s 480 --out $OUT/moira_mvar.json
+    # (a record with "complete": false: the same call again with --resume, carrying it back)
+    # here: python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json
+    #   moira_mvar.json --prompts .stage/accuracy_qwen/prompts.json.gz --out RESULT.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import os
 import sys
 import time
@@ -55,139 +83,361 @@ if str(REPO) not in sys.path:
 from benchmarks.accuracy import data as D  # noqa: E402
 from benchmarks.accuracy.run_accuracy import bootstrap  # noqa: E402
 
-GAMMAS = (0.95, 0.98, 0.99)
+GAMMAS = (0.99, 0.98, 0.95)
+#: The coverage arm whose measured reads the fixed-count arm matches.
+FIXED_AT = 0.98
 #: gamma = 1 keeps every page: dense attention through Moira's kernels. Its
 #: score difference to FLASH_ATTN is the run-to-run noise of bf16 rounding
 #: alone (different kernels, same math), the floor for the sparse arms' gaps.
 CONTROL_GAMMA = 1.0
-#: Engine knobs of the run step (SmolLM2-135M: 8,192 positions).
-ENGINE_KWARGS = dict(dtype="bfloat16", block_size=64, max_model_len=8192, seed=0,
-                     enable_prefix_caching=False, gpu_memory_utilization=0.8)  # fmt: skip
+#: Suite defaults per model (scripts/prepare_model.py's keys).
+SUITES = {
+    "smollm2-135m": {"contexts": [2048, 4096, 8192], "tasks": D.TASKS, "haystacks": ["essays"]},
+    "qwen2.5-coder-1.5b": {
+        "contexts": [4096, 8192, 16384, 32768],
+        "tasks": D.LONG_TASKS,
+        "haystacks": ["essays", "austen"],
+    },
+}
+PAGE = 64
+
+
+def load_json(path: str | Path) -> dict:
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+
+def dump_json(path: str | Path, obj: dict, indent: int | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (json.dumps(obj, indent=indent) + "\n").encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text, 6, mtime=0) if path.suffix == ".gz" else text)
+    tmp.replace(path)
+
+
+def _prepare_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "prepare_model", REPO / "scripts" / "prepare_model.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # --------------------------------------------------------------------------
 # export
 # --------------------------------------------------------------------------
+def answer_budget(tok, samples) -> int:
+    """Tokens to generate: the longest answer list in this tokenizer, plus 8 (at least 12)."""
+    longest = max(
+        len(tok(", ".join(s.answers), add_special_tokens=False)["input_ids"]) for s in samples
+    )
+    return max(12, longest + 8)
+
+
 def export(args) -> None:
+    from transformers import AutoTokenizer
+
     from benchmarks.accuracy import harness as H
 
-    tok, _ = H.load_model(threads=1)
+    prepare = _prepare_module()
+    suite = SUITES[args.model]
+    contexts = args.contexts or suite["contexts"]
+    tasks = args.tasks or suite["tasks"]
+    haystacks = args.haystacks or suite["haystacks"]
+    model_dir = Path(args.model_dir) if args.model_dir else prepare.prepare(model=args.model)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.time()
+    samples = []
+    for ctx in contexts:
+        for task in tasks:
+            for doc, sample in enumerate(
+                D.ruler_samples(tok, task, ctx, args.docs, haystacks=haystacks)
+            ):
+                samples.append((f"{task}|{ctx}|{doc}", doc, sample))
+            print(f"[export {time.time() - t0:.0f}s] {task} {ctx}", file=sys.stderr, flush=True)
+    max_new = answer_budget(tok, [s for _, _, s in samples])
     docs = []
-    for ctx in args.contexts:
-        for task in args.tasks:
-            for doc, sample in enumerate(D.ruler_samples(tok, task, ctx, args.docs)):
-                ids = H.chat_ids(tok, sample.prompt, sample.answer_prefix)[0].tolist()
-                docs.append({"id": f"{task}|{ctx}|{doc}", "doc": doc, "sample": asdict(sample),
-                             "prompt_token_ids": ids})  # fmt: skip
+    for doc_id, doc, sample in samples:
+        ids = H.chat_ids(tok, sample.prompt, sample.answer_prefix)[0].tolist()
+        if len(ids) + max_new > sample.context:
+            raise SystemExit(
+                f"export: {doc_id}: {len(ids)} prompt tokens + {max_new} to "
+                f"generate exceed the context {sample.context}"
+            )
+        docs.append({"id": doc_id, "doc": doc, "sample": asdict(sample), "prompt_token_ids": ids})
     stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
-    out = {"command": "python -m benchmarks.accuracy.run_accuracy_vllm " + " ".join(sys.argv[1:]),
-           "tokenizer": "SmolLM2-135M-Instruct", "stop_token_ids": stop, "docs": docs}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out) + "\n")
+    spec = prepare.MODELS[args.model]
+    out = {
+        "command": "python -m benchmarks.accuracy.run_accuracy_vllm " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "model_name": spec.name,
+        "tokenizer": spec.name,
+        "haystacks": haystacks,
+        "stop_token_ids": stop,
+        "max_new": max_new,
+        "max_model_len": max(contexts),
+        "docs": docs,
+    }
+    dump_json(args.out, out)
     longest = max(len(d["prompt_token_ids"]) for d in docs)
-    print(f"wrote {args.out}: {len(docs)} documents, longest prompt {longest} tokens")
+    print(
+        f"wrote {args.out}: {len(docs)} documents, longest prompt {longest} tokens, "
+        f"max_new {max_new}"
+    )
 
 
 # --------------------------------------------------------------------------
 # run (GPU)
 # --------------------------------------------------------------------------
-def _generate(llm, prompts: dict, max_new: int) -> dict[str, dict]:
+def arm_label(arm: dict) -> str:
+    """``dense``, ``moira[EST]@GAMMA`` or ``fixed[EST]@reads(GAMMA)`` (older records: the
+    arm's name and gamma)."""
+    if arm.get("label"):
+        return arm["label"]
+    return arm["arm"] if arm.get("gamma") is None else f"{arm['arm']}@{arm['gamma']}"
+
+
+def plan_arms(
+    backend: str, estimator: str | None, gammas, control: bool, fixed_at: float | None
+) -> list[dict]:
+    """The arms one engine runs, in order (the fixed-count arm after the arm it matches)."""
+    if backend == "FLASH_ATTN":
+        return [
+            {"label": "dense", "arm": "dense", "gamma": None, "selector": None, "estimator": None}
+        ]
+    if fixed_at is not None and fixed_at not in gammas:
+        raise SystemExit(
+            f"--fixed-at {fixed_at} must be one of --gammas {list(gammas)} "
+            "(the fixed-count arm matches that arm's reads), or --no-fixed"
+        )
+    if len(set(gammas)) != len(gammas) or not all(0.0 < g < 1.0 for g in gammas):
+        raise SystemExit(
+            f"--gammas must be distinct values in (0, 1), got {list(gammas)} "
+            "(gamma 1 is the --control arm)"
+        )
+    arms = [
+        {
+            "label": f"moira[{estimator}]@{g}",
+            "arm": "moira",
+            "gamma": g,
+            "selector": "coverage",
+            "estimator": estimator,
+        }
+        for g in gammas
+    ]
+    if control:
+        arms.append(
+            {
+                "label": f"moira[{estimator}]@{CONTROL_GAMMA}",
+                "arm": "moira",
+                "gamma": CONTROL_GAMMA,
+                "selector": "coverage",
+                "estimator": estimator,
+            }
+        )
+    if fixed_at is not None:
+        arms.append(
+            {
+                "label": f"fixed[{estimator}]@reads({fixed_at})",
+                "arm": "fixed_k",
+                "gamma": None,
+                "selector": "fixed",
+                "estimator": estimator,
+                "matches": fixed_at,
+                "fixed_fraction_by_chunk": {},
+            }
+        )
+    return arms
+
+
+def make_chunks(docs: list[dict], chunk_tokens: int) -> list[list[dict]]:
+    """Documents by context (ascending), cut into runs of at most ``chunk_tokens`` prompt
+    tokens (at least one document each), in export order."""
+    chunks = []
+    for ctx in sorted({d["sample"]["context"] for d in docs}):
+        current, tokens = [], 0
+        for d in (d for d in docs if d["sample"]["context"] == ctx):
+            n = len(d["prompt_token_ids"])
+            if current and tokens + n > chunk_tokens:
+                chunks.append(current)
+                current, tokens = [], 0
+            current.append(d)
+            tokens += n
+        if current:
+            chunks.append(current)
+    return chunks
+
+
+def _generate(
+    llm, docs: list[dict], stop: list[int], max_new: int, gamma: float | None = None
+) -> dict[str, dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new,
-                            stop_token_ids=prompts["stop_token_ids"])  # fmt: skip
-    inputs = [TokensPrompt(prompt_token_ids=d["prompt_token_ids"]) for d in prompts["docs"]]
+    extra = {"extra_args": {"moira_gamma": gamma}} if gamma is not None else {}
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=stop, **extra)
+    inputs = [TokensPrompt(prompt_token_ids=d["prompt_token_ids"]) for d in docs]
     outputs = llm.generate(inputs, params, use_tqdm=False)
     return {
         d["id"]: {"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
-        for d, o in zip(prompts["docs"], outputs)
+        for d, o in zip(docs, outputs)
     }
+
+
+def _engine_len(prompts: dict, docs: list[dict], max_new: int) -> int:
+    longest = max(len(d["prompt_token_ids"]) for d in docs) + max_new
+    return max(prompts.get("max_model_len") or 0, math.ceil(longest / PAGE) * PAGE)
 
 
 def run(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: collective_rpc
     if args.backend == "MOIRA":
         os.environ["MOIRA_DENSE_BATCH_TOKENS"] = "0"
-    from vllm import LLM
-
-    prompts = json.loads(Path(args.prompts).read_text())
-    t0 = time.time()
-    llm = LLM(model=args.model, attention_backend=args.backend, **ENGINE_KWARGS)
-    command = "python -m benchmarks.accuracy.run_accuracy_vllm " + " ".join(sys.argv[1:])
-    record = {"command": command, "backend": args.backend, "model": args.model,
-              "engine_start_s": time.time() - t0, "arms": []}  # fmt: skip
-
-    def save() -> None:
-        Path(args.out).write_text(json.dumps(record) + "\n")
-
-    if args.backend == "FLASH_ATTN":
-        arms = [{"arm": "dense", "gamma": None, "selector": None}]
-    else:
-        arms = [{"arm": "moira", "gamma": g, "selector": "coverage"} for g in GAMMAS]
-        arms.append({"arm": "moira", "gamma": CONTROL_GAMMA, "selector": "coverage"})
-        arms.append({"arm": "fixed_k", "gamma": None, "selector": "fixed"})
+        if args.estimator:
+            os.environ["MOIRA_ESTIMATOR"] = args.estimator
+        if args.summary_dtype:
+            os.environ["MOIRA_SUMMARY_DTYPE"] = args.summary_dtype
+    t_start = time.time()
+    prompts = load_json(args.prompts)
+    docs = [
+        d for d in prompts["docs"] if not args.contexts or d["sample"]["context"] in args.contexts
+    ]
+    if not docs:
+        raise SystemExit(f"run: no documents at --contexts {args.contexts}")
+    max_new = args.max_new or prompts.get("max_new", 12)
+    stop = prompts["stop_token_ids"]
     moira = None
+    estimator = None
     if args.backend == "MOIRA":
         from vllm.v1.attention.backends import moira
 
-        # The engine's settings (MOIRA_ESTIMATOR, MOIRA_SUMMARY_DTYPE, ...), so the record
-        # says which estimator and summary storage made it.
-        record["moira_config"] = asdict(moira.moira_config_from_env())
+        estimator = moira.moira_config_from_env().estimator
+    arms = plan_arms(
+        args.backend, estimator, args.gammas, args.control, None if args.no_fixed else args.fixed_at
+    )
+    command = "python -m benchmarks.accuracy.run_accuracy_vllm " + " ".join(sys.argv[1:])
+    record = {
+        "command": command,
+        "backend": args.backend,
+        "model": args.model,
+        "max_new": max_new,
+        "prefix_caching": not args.no_prefix_cache,
+        "complete": False,
+        "arms": arms,
+    }
+    done: set[str] = set()
+    if args.resume and Path(args.out).is_file():
+        old = load_json(args.out)
+        by_label = {arm_label(a): a for a in old["arms"]}
+        if [a["label"] for a in arms] != list(by_label):
+            raise SystemExit(
+                f"--resume: {args.out} has arms {list(by_label)}, this run "
+                f"{[a['label'] for a in arms]}"
+            )
+        record["arms"] = arms = [by_label[a["label"]] for a in arms]
+        done = set.intersection(*(set(a["outputs"]) for a in arms))
+        record["resumed_from"] = old["command"]
     for arm in arms:
-        arm.update(outputs={}, pages_by_context={}, seconds=0.0)
-        record["arms"].append(arm)
-    # Context by context, every arm in turn: reads (Select's counters) are per
-    # context, and the fixed-count arm matches the gamma 0.98 arm's reads of
-    # the same context (reads fall with context, so a pooled fraction would
-    # give short prompts too few pages and long ones too many).
-    contexts = sorted({d["sample"]["context"] for d in prompts["docs"]})
-    for ctx in contexts:
-        docs = [d for d in prompts["docs"] if d["sample"]["context"] == ctx]
-        subset = {"stop_token_ids": prompts["stop_token_ids"], "docs": docs}
-        reads_at_098 = None
+        arm.setdefault("outputs", {})
+        arm.setdefault("pages_by_context", {})
+        arm.setdefault("seconds", 0.0)
+    todo = [d for d in docs if d["id"] not in done]
+    chunks = make_chunks(todo, args.chunk_tokens)
+
+    from vllm import LLM
+
+    t0 = time.time()
+    llm = LLM(
+        model=args.model,
+        attention_backend=args.backend,
+        dtype="bfloat16",
+        block_size=PAGE,
+        max_model_len=_engine_len(prompts, docs, max_new),
+        seed=0,
+        enable_prefix_caching=not args.no_prefix_cache,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    record["engine_start_s"] = round(time.time() - t0, 1)
+    if moira is not None:
+        # The engine's settings (estimator, summary storage, ...) say what made the record.
+        record["moira_config"] = asdict(moira.moira_config_from_env())
+    slowest = 0.0
+    for n, chunk in enumerate(chunks):
+        t_chunk = time.time()
+        ctx = chunk[0]["sample"]["context"]
+        key = f"{ctx}:{chunk[0]['id']}"
+        reads: dict[float, float] = {}
         for arm in arms:
             t_arm = time.time()
+            gamma = None
             if moira is not None:
-                if arm["selector"] == "coverage":
-                    changes = dict(selector="coverage", gamma=arm["gamma"], fixed_pages=None,
-                                   fixed_fraction=None)  # fmt: skip
-                else:  # equal reads to the coverage rule at gamma 0.98
-                    arm.setdefault("fixed_fraction_by_context", {})[str(ctx)] = reads_at_098
-                    changes = dict(selector="fixed", fixed_fraction=reads_at_098, fixed_pages=None)
+                if arm["selector"] == "fixed":
+                    fraction = reads[arm["matches"]]
+                    arm["fixed_fraction_by_chunk"][key] = fraction
+                    changes = dict(selector="fixed", fixed_fraction=fraction, fixed_pages=None)
+                else:  # the request's own gamma (moira_gamma) decides
+                    changes = dict(selector="coverage", fixed_fraction=None, fixed_pages=None)
+                    gamma = arm["gamma"]
                 llm.collective_rpc(moira.rpc_set_selector, kwargs=changes)
                 llm.collective_rpc(moira.rpc_read_stats, kwargs={"reset": True})
-            arm["outputs"].update(_generate(llm, subset, args.max_new))
-            reads = None
+            arm["outputs"].update(_generate(llm, chunk, stop, max_new, gamma))
             if moira is not None:
                 kept, total = llm.collective_rpc(moira.rpc_read_stats)[0]
-                arm["pages_by_context"][str(ctx)] = [kept, total]
-                reads = kept / total if total else None
-                if arm["gamma"] == 0.98:
-                    reads_at_098 = reads
-            seconds = time.time() - t_arm
-            arm["seconds"] += seconds
-            print(f"[{args.backend}] {ctx:>5} {arm['arm']} gamma={arm['gamma']} reads={reads} "
-                  f"{len(subset['docs'])} docs {seconds:.1f}s", flush=True)  # fmt: skip
+                if not total:
+                    raise RuntimeError(f"{arm['label']}: Select counted no pages on {key}")
+                old = arm["pages_by_context"].get(str(ctx), [0, 0])
+                arm["pages_by_context"][str(ctx)] = [old[0] + kept, old[1] + total]
+                if arm["selector"] == "coverage":
+                    reads[arm["gamma"]] = kept / total
+            arm["seconds"] += time.time() - t_arm
         for arm in arms:
             pages = arm["pages_by_context"].values()
             kept, total = sum(p[0] for p in pages), sum(p[1] for p in pages)
             arm["reads"] = kept / total if total else None
-        save()
-    print(f"wrote {args.out}")
+        took = time.time() - t_chunk
+        slowest = max(slowest, took)
+        record["seconds"] = round(time.time() - t_start, 1)
+        left = len(chunks) - n - 1
+        record["complete"] = left == 0
+        dump_json(args.out, record)
+        print(
+            f"[{args.backend} {record['seconds']:.0f}s] chunk {n + 1}/{len(chunks)} ctx {ctx} "
+            f"{len(chunk)} docs {took:.0f}s reads "
+            f"{ {g: round(r, 3) for g, r in reads.items()} }",
+            flush=True,
+        )
+        if left and args.budget_s and time.time() - t_start + slowest > args.budget_s:
+            print(
+                f"stopping: {left} chunks left within --budget-s {args.budget_s} "
+                "(run again with --resume)",
+                flush=True,
+            )
+            break
+    if not chunks:
+        record["complete"] = True
+        dump_json(args.out, record)
+    print(f"wrote {args.out} (complete: {record['complete']})")
 
 
 # --------------------------------------------------------------------------
 # merge
 # --------------------------------------------------------------------------
-def _summary(label_arm: dict, scores: list[float], dense: list[float], reads) -> dict:
+def _summary(arm: dict, scores: list[float], dense: list[float], reads) -> dict:
     diffs = [100 * (a - b) for a, b in zip(scores, dense)]
     lo, hi = bootstrap(diffs)
     return {
-        "arm": label_arm["arm"],
-        "gamma": label_arm["gamma"],
+        "label": arm_label(arm),
+        "arm": arm["arm"],
+        "estimator": arm.get("estimator"),
+        "gamma": arm["gamma"],
         "docs": len(scores),
         "score": 100 * sum(scores) / len(scores),
+        "dense_score": 100 * sum(dense) / len(dense),
         "kl": None,
         "reads": reads,
         "diff_vs_dense": sum(diffs) / len(diffs),
@@ -204,65 +454,175 @@ def _reads(arm: dict, ctx: int) -> float | None:
     return arm.get("reads")
 
 
+def combine_arms(runs: list[dict]) -> list[dict]:
+    """Arms of several run records, one per label: outputs united and page counts added
+    (records of one arm cover disjoint documents, e.g. a run and its --resume)."""
+    combined: dict[str, dict] = {}
+    for r in runs:
+        for arm in r["arms"]:
+            label = arm_label(arm)
+            if label not in combined:
+                combined[label] = {
+                    **arm,
+                    "outputs": dict(arm["outputs"]),
+                    "pages_by_context": dict(arm.get("pages_by_context", {})),
+                }
+                continue
+            into = combined[label]
+            into["outputs"].update(arm["outputs"])
+            for ctx, (kept, total) in arm.get("pages_by_context", {}).items():
+                old = into["pages_by_context"].get(ctx, [0, 0])
+                into["pages_by_context"][ctx] = [old[0] + kept, old[1] + total]
+    return list(combined.values())
+
+
 def merge_records(prompts: dict, runs: list[dict]) -> list[dict]:
-    """Rows per (task, context, arm) and pooled per (context, arm) ("task": "all")."""
+    """Rows per (task, context, arm), pooled per (context, arm) (``task: "all"``) and, with
+    several haystacks, pooled per (context, haystack, arm). Documents that an arm or dense
+    did not finish are left out of that arm's rows."""
     samples = {d["id"]: D.Sample(**d["sample"]) for d in prompts["docs"]}
-    arms = [a for r in runs for a in r["arms"]]
+    arms = combine_arms(runs)
     dense = next((a for a in arms if a["arm"] == "dense"), None)
     if dense is None:
         raise SystemExit("merge: no dense arm (run --backend FLASH_ATTN first)")
-    keys = sorted({(d["sample"]["task"], d["sample"]["context"]) for d in prompts["docs"]})
+    keys = sorted({(s.task, s.context) for s in samples.values()})
+    haystacks = sorted({s.haystack for s in samples.values() if s.haystack != "none"})
     rows = []
     for arm in arms:
-        pooled: dict[int, tuple[list, list]] = {}
+        pooled: dict[tuple, tuple[list, list]] = {}
         for task, ctx in keys:
-            ids = [d["id"] for d in prompts["docs"]
-                   if (d["sample"]["task"], d["sample"]["context"]) == (task, ctx)]  # fmt: skip
+            ids = [
+                i
+                for i, s in samples.items()
+                if (s.task, s.context) == (task, ctx)
+                and i in arm["outputs"]
+                and i in dense["outputs"]
+            ]
+            if not ids:
+                continue
             scores = [D.score(samples[i], arm["outputs"][i]["text"]) for i in ids]
             base = [D.score(samples[i], dense["outputs"][i]["text"]) for i in ids]
-            rows.append({"task": task, "context": ctx,
-                         **_summary(arm, scores, base, _reads(arm, ctx))})  # fmt: skip
-            pooled.setdefault(ctx, ([], []))
-            pooled[ctx][0].extend(scores)
-            pooled[ctx][1].extend(base)
-        for ctx, (scores, base) in sorted(pooled.items()):
-            rows.append({"task": "all", "context": ctx,
-                         **_summary(arm, scores, base, _reads(arm, ctx))})  # fmt: skip
+            rows.append(
+                {
+                    "task": task,
+                    "context": ctx,
+                    "haystack": None,
+                    **_summary(arm, scores, base, _reads(arm, ctx)),
+                }
+            )
+            groups = [(ctx, None)]
+            if len(haystacks) > 1:
+                groups += [(ctx, h) for h in haystacks]
+            for group in groups:
+                pick = [j for j, i in enumerate(ids) if group[1] in (None, samples[i].haystack)]
+                if pick:
+                    pool = pooled.setdefault(group, ([], []))
+                    pool[0].extend(scores[j] for j in pick)
+                    pool[1].extend(base[j] for j in pick)
+        for (ctx, hay), (scores, base) in sorted(
+            pooled.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
+        ):
+            rows.append(
+                {
+                    "task": "all",
+                    "context": ctx,
+                    "haystack": hay,
+                    **_summary(arm, scores, base, _reads(arm, ctx)),
+                }
+            )
     return rows
 
 
 def merge(args) -> None:
-    runs = [json.loads(Path(p).read_text()) for p in args.runs]
-    prompts = json.loads(Path(args.prompts).read_text())
+    runs = [load_json(p) for p in args.runs]
+    prompts = load_json(args.prompts)
     out = {
         "command": "python -m benchmarks.accuracy.run_accuracy_vllm " + " ".join(sys.argv[1:]),
-        "where": "vLLM 0.30 on the GPU (bf16, FA3 prefill); reads: Select's counters per arm, "
-        "pooled over the documents of all contexts",
-        "model": "SmolLM2-135M-Instruct",
+        "where": "vLLM 0.30 on the GPU (bf16, FA3 prefill); reads: Select's counters per arm "
+        "and context",
+        "model": prompts.get("model_name", "SmolLM2-135M-Instruct"),
+        "complete": all(r.get("complete", True) for r in runs),
         "sources": [r["command"] for r in runs],
         "rows": merge_records(prompts, runs),
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    dump_json(args.out, out, indent=1)
     for row in out["rows"]:
-        if row["task"] == "all":
-            print(f"{row['context']:>5} {row['arm']:>8} gamma={row['gamma']} "
-                  f"score={row['score']:.1f} diff={row['diff_vs_dense']:+.1f} "
-                  f"ci={row['diff_vs_dense_ci95']} reads={row['reads']}")  # fmt: skip
+        if row["task"] == "all" and row["haystack"] is None:
+            lo, hi = row["diff_vs_dense_ci95"]
+            reads = "-" if row["reads"] is None else f"{row['reads']:.3f}"
+            print(
+                f"{row['context']:>6} {row['label']:>28} score={row['score']:5.1f} "
+                f"diff={row['diff_vs_dense']:+5.1f} [{lo:+.1f}, {hi:+.1f}] reads={reads} "
+                f"docs={row['docs']}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="step", required=True)
     ex = sub.add_parser("export", help="documents as token ids (CPU)")
-    ex.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    ex.add_argument("--tasks", nargs="+", default=D.TASKS)
-    ex.add_argument("--docs", type=int, default=20)
-    ex.add_argument("--out", required=True)
+    ex.add_argument(
+        "--model",
+        default="smollm2-135m",
+        choices=sorted(SUITES),
+        help="whose tokenizer and suite defaults (prepared if missing)",
+    )
+    ex.add_argument("--model-dir", help="the model's HF directory (default: prepare_model.py's)")
+    ex.add_argument("--contexts", type=int, nargs="+", help="default: the model's suite")
+    ex.add_argument("--tasks", nargs="+", choices=D.LONG_TASKS, help="default: the model's suite")
+    ex.add_argument(
+        "--haystacks",
+        nargs="+",
+        choices=sorted(D.HAYSTACKS),
+        help="documents alternate between these (default: the model's suite)",
+    )
+    ex.add_argument("--docs", type=int, default=20, help="documents per task and context")
+    ex.add_argument("--out", required=True, help="a .json or .json.gz file")
     rn = sub.add_parser("run", help="greedy answers through vLLM (GPU)")
     rn.add_argument("--backend", choices=["FLASH_ATTN", "MOIRA"], required=True)
     rn.add_argument("--prompts", required=True)
-    rn.add_argument("--model", required=True, help="local HF directory of SmolLM2-135M-Instruct")
-    rn.add_argument("--max-new", type=int, default=12)
+    rn.add_argument("--model", required=True, help="the model's local HF directory")
+    rn.add_argument("--contexts", type=int, nargs="+", help="only these contexts")
+    rn.add_argument("--max-new", type=int, default=0, help="default: the export's max_new")
+    rn.add_argument("--estimator", help="MOIRA_ESTIMATOR for this engine (default: the env's)")
+    rn.add_argument("--summary-dtype", help="MOIRA_SUMMARY_DTYPE (default: the env's)")
+    rn.add_argument("--gammas", type=float, nargs="+", default=list(GAMMAS))
+    rn.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"the gamma={CONTROL_GAMMA} arm (default on)",
+    )
+    rn.add_argument(
+        "--fixed-at",
+        type=float,
+        default=FIXED_AT,
+        help="the fixed-count arm reads what this gamma's arm read",
+    )
+    rn.add_argument("--no-fixed", action="store_true", help="no fixed-count arm")
+    rn.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=600_000,
+        help="prompt tokens per chunk (all arms run on a chunk in turn)",
+    )
+    rn.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every arm anew (default: later arms reuse the prefill)",
+    )
+    rn.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    rn.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop after the chunk that leaves less than the slowest chunk's time",
+    )
+    rn.add_argument("--resume", action="store_true", help="continue an incomplete --out")
     rn.add_argument("--out", required=True)
     mg = sub.add_parser("merge", help="scores and bootstrap against dense")
     mg.add_argument("runs", nargs="+")
@@ -271,8 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     {"export": export, "run": run, "merge": merge}[args.step](args)
 
 

@@ -59,8 +59,11 @@ def _serialize(body: bytes) -> bytes:
 
 
 def test_unserialize_vectors_names_and_na():
-    obj = R.unserialize(_serialize(_vecsxp([_strsxp(["a", None, "ü"]), _intsxp([1, -(2**31)])],
-                                           names=["text", "n"])))  # fmt: skip
+    obj = R.unserialize(
+        _serialize(
+            _vecsxp([_strsxp(["a", None, "ü"]), _intsxp([1, -(2**31)])], names=["text", "n"])
+        )
+    )
     assert obj == [["a", None, "ü"], [1, None]]
     assert obj.attributes["names"] == ["text", "n"]
     with pytest.raises(R.RDataError, match="XDR"):
@@ -71,8 +74,17 @@ def test_unserialize_vectors_names_and_na():
 
 def test_compact_intseq_altrep():
     # info: pairlist (class symbol, package symbol, type); state: c(length, first, step)
-    info = (_i(2) + _i(1) + _charsxp("compact_intseq") + _i(2) + _i(1) + _charsxp("base")
-            + _i(2) + _intsxp([13]) + _i(254))  # fmt: skip
+    info = (
+        _i(2)
+        + _i(1)
+        + _charsxp("compact_intseq")
+        + _i(2)
+        + _i(1)
+        + _charsxp("base")
+        + _i(2)
+        + _intsxp([13])
+        + _i(254)
+    )
     state = _i(14) + _i(3) + struct.pack(">3d", 4.0, 10.0, 1.0)
     body = _i(238) + info + state + _i(254)
     assert R.unserialize(_serialize(body)) == [10, 11, 12, 13]
@@ -85,14 +97,15 @@ def test_read_lazyload_db(tmp_path):
     blob1 = struct.pack(">I", len(first)) + zlib.compress(first)
     blob2 = struct.pack(">I", len(second)) + b"X" + lzma.compress(second)
     (tmp_path / "Rdata.rdb").write_bytes(blob1 + blob2)
-    variables = _vecsxp([_intsxp([0, len(blob1)]), _intsxp([len(blob1), len(blob2)])],
-                        names=["pp", "md"])  # fmt: skip
-    index = _vecsxp([variables, _vecsxp([]), _intsxp([1])],
-                    names=["variables", "references", "compressed"])  # fmt: skip
+    variables = _vecsxp(
+        [_intsxp([0, len(blob1)]), _intsxp([len(blob1), len(blob2)])], names=["pp", "md"]
+    )
+    index = _vecsxp(
+        [variables, _vecsxp([]), _intsxp([1])], names=["variables", "references", "compressed"]
+    )
     (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(_serialize(index)))
     got = R.read_lazyload_db(tmp_path / "Rdata")
-    assert got == {"pp": ["It is a truth", "universally acknowledged"],
-                   "md": ["Call me Ishmael."]}  # fmt: skip
+    assert got == {"pp": ["It is a truth", "universally acknowledged"], "md": ["Call me Ishmael."]}
     assert R.read_lazyload_db(tmp_path / "Rdata", ["md"]) == {"md": ["Call me Ishmael."]}
     with pytest.raises(R.RDataError, match=r"no object\(s\) \['emma'\]"):
         R.read_lazyload_db(tmp_path / "Rdata", ["emma"])
@@ -106,15 +119,20 @@ def _ar_member(name: str, data: bytes) -> bytes:
 def test_deb_members(tmp_path):
     tar_bytes = io.BytesIO()
     with tarfile.open(fileobj=tar_bytes, mode="w:xz") as tar:
-        for name, payload in (("./usr/lib/R/site-library/x/data/Rdata.rdb", b"rdb"),
-                              ("./usr/share/doc/x/README", b"doc")):  # fmt: skip
+        for name, payload in (
+            ("./usr/lib/R/site-library/x/data/Rdata.rdb", b"rdb"),
+            ("./usr/share/doc/x/README", b"doc"),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
     deb = tmp_path / "x.deb"
-    deb.write_bytes(b"!<arch>\n" + _ar_member("debian-binary", b"2.0\n")
-                    + _ar_member("control.tar.xz", b"c")
-                    + _ar_member("data.tar.xz", tar_bytes.getvalue()))  # fmt: skip
+    deb.write_bytes(
+        b"!<arch>\n"
+        + _ar_member("debian-binary", b"2.0\n")
+        + _ar_member("control.tar.xz", b"c")
+        + _ar_member("data.tar.xz", tar_bytes.getvalue())
+    )
     assert D.deb_members(deb, ("/data/Rdata.rdb",)) == {
         "./usr/lib/R/site-library/x/data/Rdata.rdb": b"rdb"
     }
@@ -128,8 +146,10 @@ def test_text_cleanup():
     assert D.unwrap_lines(lines) == (
         "CHAPTER 1\n\nIt is a truth universally acknowledged, that a\n\nEnd."
     )
-    book = ("Header\n*** START OF THIS PROJECT GUTENBERG EBOOK MOBY DICK ***\nCall me Ishmael."
-            "\n*** END OF THIS PROJECT GUTENBERG EBOOK ***\nLicense")  # fmt: skip
+    book = (
+        "Header\n*** START OF THIS PROJECT GUTENBERG EBOOK MOBY DICK ***\nCall me Ishmael."
+        "\n*** END OF THIS PROJECT GUTENBERG EBOOK ***\nLicense"
+    )
     assert D.strip_gutenberg(book) == "Call me Ishmael.\n"
     assert D.strip_gutenberg("no markers") == "no markers"
 

