@@ -510,7 +510,7 @@ def main() -> int:
     }  # fmt: skip
     from vllm.v1.attention.backends import moira
 
-    moira_config = moira.MoiraConfig(**split_changes)
+    moira_config = moira.MoiraConfig.paper(**split_changes)
     moira_config.validate()
     args.moira_config = moira_config
     cvs = [parse_cv(c) for c in args.cvs.split(",") if c.strip()]

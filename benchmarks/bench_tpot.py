@@ -410,10 +410,10 @@ class RpcSelector(Selector):
         self.ranks = 0
         if backend != "MOIRA":
             return
-        from vllm.v1.attention.backends import moira
+        from vllm.v1.worker import moira_rpc
 
-        self.moira = moira
-        counts = llm.collective_rpc(moira.rpc_read_stats, kwargs={"reset": True})
+        self.moira_rpc = moira_rpc
+        counts = llm.collective_rpc(moira_rpc.read_stats, kwargs={"reset": True})
         self.ranks = len(counts)
 
     @property
@@ -428,18 +428,18 @@ class RpcSelector(Selector):
         else:
             changes = dict(selector="coverage", gamma=arm["gamma"], fixed_pages=None,
                            fixed_fraction=None)  # fmt: skip
-        changed = self.llm.collective_rpc(self.moira.rpc_set_selector, kwargs=changes)
+        changed = self.llm.collective_rpc(self.moira_rpc.set_selector, kwargs=changes)
         if not all(changed):
             raise RuntimeError(f"a rank has no Moira workspace: {changed}")
 
     def zero(self) -> None:
         if self.can_switch:
-            self.llm.collective_rpc(self.moira.rpc_read_stats, kwargs={"reset": True})
+            self.llm.collective_rpc(self.moira_rpc.read_stats, kwargs={"reset": True})
 
     def reads(self) -> float | None:
         if not self.can_switch:
             return None
-        counts = self.llm.collective_rpc(self.moira.rpc_read_stats)
+        counts = self.llm.collective_rpc(self.moira_rpc.read_stats)
         kept, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
         return kept / total if total else None
 
@@ -717,7 +717,7 @@ def main() -> int:
     t_start = time.time()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # workspaces in-process
     if a.tensor_parallel_size > 1:
-        # collective_rpc sends rpc_set_selector / rpc_read_stats (functions,
+        # collective_rpc sends moira_rpc.set_selector / read_stats (functions,
         # pickled by reference) to the worker processes.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on this host

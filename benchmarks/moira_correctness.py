@@ -160,8 +160,8 @@ def dense_reference_rows(case, rows):
 # Checks
 # --------------------------------------------------------------------------
 def check_gamma_one(case, config=None):
-    """``config`` (gamma must be 1): default MoiraConfig(gamma=1.0)."""
-    config = config or moira.MoiraConfig(gamma=1.0)
+    """``config`` (gamma must be 1): default MoiraConfig.paper(gamma=1.0)."""
+    config = config or moira.MoiraConfig.paper(gamma=1.0)
     assert config.gamma == 1.0 and config.selector == "coverage"
     out, ws = run_moira(case, config)
     batch = out.shape[0]
@@ -185,8 +185,8 @@ def check_gamma_one(case, config=None):
 def check_graph_replay(case, gamma=0.98, config=None):
     """Capture at the case's lengths, replay at the same and at shorter
     lengths (changed in place under the graph), compare with eager bits.
-    ``config`` overrides ``MoiraConfig(gamma=gamma)``."""
-    config = config or moira.MoiraConfig(gamma=gamma)
+    ``config`` overrides ``MoiraConfig.paper(gamma=gamma)``."""
+    config = config or moira.MoiraConfig.paper(gamma=gamma)
     ws = workspace(case, config)
     out = torch.zeros_like(case["query"])
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
@@ -236,7 +236,7 @@ def check_dependent_launches(case, config=None):
     previous kernel, of the same or the previous step, still runs), eager and
     replayed from one graph, equal the same steps launched plainly, bit for
     bit, lists included."""
-    config = config or moira.MoiraConfig(gamma=0.98)
+    config = config or moira.MoiraConfig.paper(gamma=0.98)
     ws = workspace(case, config)
     seqs = (case["seq"], (case["seq"] // 3).clamp_min(1))
     gen = torch.Generator().manual_seed(5)
@@ -285,7 +285,7 @@ def check_dependent_launches(case, config=None):
 
 def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None):
     estimator, summary_dtype = split_summary_dtype(estimator or moira.MoiraConfig().estimator)
-    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
@@ -375,7 +375,7 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     checked against the default's log-masses."""
     estimator, summary_dtype = split_summary_dtype(name)
     batch = case["query"].shape[0]
-    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     ws = workspace(case, config)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
     row = {"estimator": estimator, "summary_dtype": summary_dtype,
@@ -424,7 +424,7 @@ def check_layouts(case_token_major):
     kv = case_token_major["kv"]
     head_major = dict(case_token_major)
     head_major["kv"] = kv.contiguous()  # logical [B, H, N, C] stored head-major
-    config = moira.MoiraConfig(gamma=0.98)
+    config = moira.MoiraConfig.paper(gamma=0.98)
     a, _ = run_moira(case_token_major, config)
     b, _ = run_moira(head_major, config)
     del head_major
@@ -590,11 +590,11 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
     batch = case["query"].shape[0]
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
     configs = {
-        "coverage": moira.MoiraConfig(gamma=0.98),
-        "fixed": moira.MoiraConfig(
+        "coverage": moira.MoiraConfig.paper(gamma=0.98),
+        "fixed": moira.MoiraConfig.paper(
             selector="fixed", fixed_pages=max(2, round(kept_fraction * case["max_pages"]))
         ),
-        "dense_rows": moira.MoiraConfig(dense_batch_tokens=case["max_pages"] * PAGE * batch),
+        "dense_rows": moira.MoiraConfig.paper(dense_batch_tokens=case["max_pages"] * PAGE * batch),
     }
     rows = {}
     default_launch = dict(moira.DECODE_LAUNCH)
@@ -639,7 +639,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
 
     batch = case["query"].shape[0]
     rows = {}
-    coverage = moira.MoiraConfig(gamma=0.98)
+    coverage = moira.MoiraConfig.paper(gamma=0.98)
     ws = workspace(case, coverage)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
     rows["estimate_select_us"] = graph_time_us(lambda: moira.estimate_and_select(*args, ws, SCALE))
@@ -655,7 +655,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     )  # fmt: skip
     out = torch.empty_like(case["query"])
     # Attend + Merge on a fixed-count list (kept_fraction of the pages).
-    fixed = moira.MoiraConfig(
+    fixed = moira.MoiraConfig.paper(
         selector="fixed", fixed_pages=max(2, round(kept_fraction * case["max_pages"]))
     )
     ws_fixed = workspace(case, fixed)
@@ -678,7 +678,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     )
     rows["attend_merge_us"] = attend_us
     # The same lists under the serving backend's schedule (even pages per
-    # block, MOIRA_BACKEND_DEFAULTS); the kernel API's default above is Alg. 2.
+    # block, MoiraConfig's default); the paper's preset above is Alg. 2.
     ws_pages = workspace(case, dataclasses.replace(fixed, attend_schedule="pages"))
     ws_pages.page_list.copy_(ws_fixed.page_list)
     ws_pages.page_count.copy_(ws_fixed.page_count)
@@ -804,7 +804,7 @@ def main():
     for name in estimators:
         estimator, summary_dtype = split_summary_dtype(name)
         moira.estimator_num_top(estimator)  # unknown name: error before any work
-        moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype).validate()
+        moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype).validate()
     if args.only_estimators and not estimators:
         parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)

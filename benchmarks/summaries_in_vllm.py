@@ -7,7 +7,7 @@ decode and prefill rows) and decodes past several page boundaries, so pages
 fill in all three places that write summaries: the writer kernel on prefill
 tokens, Estimate in eager mixed steps, and Estimate in FULL-graph decode
 steps. Then every layer's summaries are recomputed from the keys in its cache
-(``moira.rpc_check_summaries``) and compared bit for bit, and the number of
+(``moira_rpc.check_summaries``) and compared bit for bit, and the number of
 summarized pages is compared with the pages the requests filled:
 sum over requests of floor((prompt + generated - 1) / 64) per layer (the last
 generated token's keys are never written). A page that filled during decode
@@ -115,6 +115,7 @@ def main() -> int:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.backends import moira
+    from vllm.v1.worker import moira_rpc
 
     graphs: dict = {"enforce_eager": True} if a.enforce_eager else {
         "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
@@ -133,7 +134,7 @@ def main() -> int:
     # dummy steps stay below a page).
     compiles = CompileLog().__enter__()
     compiles.phase = "check_before_run"
-    before = llm.collective_rpc(moira.rpc_check_summaries)
+    before = llm.collective_rpc(moira_rpc.check_summaries)
     print("before the run:", before, flush=True)
     compiles.phase = "generate"
     rng = np.random.default_rng(0)
@@ -149,7 +150,7 @@ def main() -> int:
     compiles.__exit__()
     print("Triton compilations after engine start:", compiles.events, flush=True)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
-    per_rank = llm.collective_rpc(moira.rpc_check_summaries)
+    per_rank = llm.collective_rpc(moira_rpc.check_summaries)
     expected = sum(math.floor((p + g - 1) / 64) for p, g in zip(prompt_lens, generated))
     decode_filled = sum(math.floor((p + g - 1) / 64) - math.floor(p / 64)
                         for p, g in zip(prompt_lens, generated))  # fmt: skip

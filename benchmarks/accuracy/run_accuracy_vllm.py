@@ -49,8 +49,8 @@ The Qwen2.5-Coder-1.5B run on one H200 (device calls are back to back: the host 
     # call 1 (carry .stage/vllm030, .shared, .stage/accuracy_qwen): install the bundle and
     #   build Moira as benchmarks/run_gpu.sh does (~1-2 min);
     #   mkdir -p /root/acc && cp .stage/accuracy_qwen/prompts.json.gz /root/acc/
-    # calls 2..N+1 (carry .carry/qwen2.5-coder-1.5b/manifest.json and one piece; the first
-    #   also .carry/qwen2.5-coder-1.5b/wheels), ~20-30 s each:
+    # calls 2..N+1 (carry .stage/carry/qwen2.5-coder-1.5b/manifest.json and one piece; the first
+    #   also .stage/carry/qwen2.5-coder-1.5b/wheels), ~20-30 s each:
     #   python3 scripts/gpu_carry_model.py receive
     # call N+2 (~8 min): python3 scripts/gpu_carry_model.py assemble  (join, sha256, bf16,
     #   ~2-3 min) && source /opt/vllm030/env.sh && python -m benchmarks.accuracy.run_accuracy_vllm
@@ -92,11 +92,19 @@ FIXED_AT = 0.98
 CONTROL_GAMMA = 1.0
 #: Suite defaults per model (scripts/prepare_model.py's keys).
 SUITES = {
-    "smollm2-135m": {"contexts": [2048, 4096, 8192], "tasks": D.TASKS, "haystacks": ["essays"]},
+    "smollm2-135m": {
+        "contexts": [2048, 4096, 8192],
+        "tasks": D.TASKS,
+        "haystacks": ["essays"],
+        "reserve": 0,
+    },
+    # Qwen's chat template (with its default system prompt) and its digit-by-digit numbers
+    # need room: the documents are generated 64 tokens short of each context.
     "qwen2.5-coder-1.5b": {
         "contexts": [4096, 8192, 16384, 32768],
         "tasks": D.LONG_TASKS,
         "haystacks": ["essays", "austen"],
+        "reserve": 64,
     },
 }
 PAGE = 64
@@ -148,6 +156,7 @@ def export(args) -> None:
     contexts = args.contexts or suite["contexts"]
     tasks = args.tasks or suite["tasks"]
     haystacks = args.haystacks or suite["haystacks"]
+    reserve = suite["reserve"] if args.reserve is None else args.reserve
     model_dir = Path(args.model_dir) if args.model_dir else prepare.prepare(model=args.model)
     os.environ["HF_HUB_OFFLINE"] = "1"
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -135,7 +135,7 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     import torch
 
     schedule = {"attend_schedule": attend_schedule} if attend_schedule else {}
-    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype, **schedule)
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **schedule)
     max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
     num_blocks = 16
     kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": f"{a.rows}x{a.context}",
             "estimator": estimator,
             "summary_dtype": summary_dtype,
-            "attend_schedule": a.attend_schedule or moira.MoiraConfig().attend_schedule,
+            "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,

@@ -50,7 +50,9 @@ def main() -> None:
     for name in args.estimators.split(","):
         case_e = estimator_case(case, name)
         estimator, summary_dtype = split_summary_dtype(name)
-        ws = workspace(case_e, moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype))
+        ws = workspace(
+            case_e, moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype)
+        )
         inputs = (
             case_e["query"],
             case_e["kv"],
@@ -74,7 +76,7 @@ def main() -> None:
         runs.append((name, estimate, select))
     attend = None
     if args.attend > 0.0:
-        fixed = moira.MoiraConfig(
+        fixed = moira.MoiraConfig.paper(
             selector="fixed", fixed_pages=max(2, round(args.attend * case["max_pages"]))
         )
         ws_fixed = workspace(case, fixed)

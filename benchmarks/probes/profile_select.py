@@ -110,7 +110,7 @@ def main():
         from benchmarks.moira_correctness import estimator_case
 
         case = estimator_case(case, args.estimator)
-    ws = workspace(case, moira.MoiraConfig(gamma=0.98, estimator=args.estimator))
+    ws = workspace(case, moira.MoiraConfig.paper(gamma=0.98, estimator=args.estimator))
     hkv, group = ws.logmass.shape[1], ws.logmass.shape[2]
     max_pages = case["max_pages"]
     moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],

@@ -207,13 +207,18 @@ def test_config_defaults():
     cfg = moira_module().moira_config_from_env({})
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
     assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
-    # The backend reads rows of small batches whole; the kernel API does not.
+    # Rows of small batches are read whole, all-dense steps run FA3, and
+    # Attend shares the step's pages evenly.
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 36864)
-    assert cfg.attend_schedule == "pages"
-    assert moira_module().MoiraConfig().attend_schedule == "lists"  # Alg. 2
-    assert moira_module().MoiraConfig().dense_batch_tokens == 0
-    # All-dense steps run FA3 in the backend; the kernel API keeps Moira's.
-    assert cfg.dense_steps == "fa3" and moira_module().MoiraConfig().dense_steps == "moira"
+    assert (cfg.attend_schedule, cfg.dense_steps) == ("pages", "fa3")
+    # One set of defaults: the environment's are MoiraConfig's.
+    assert cfg == moira_module().MoiraConfig()
+    # The paper's algorithm is a preset: Alg. 2, no dense rows, Moira on every step.
+    paper = moira_module().MoiraConfig.paper(gamma=0.9)
+    assert (paper.attend_schedule, paper.dense_batch_tokens, paper.dense_steps) == (
+        "lists", 0, "moira"
+    )  # fmt: skip
+    assert paper.gamma == 0.9 and paper.estimator == cfg.estimator
 
 
 def test_config_from_env_values():
@@ -240,26 +245,38 @@ def test_config_from_env_values():
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({"MOIRA_GAMMA": "0"}, r"gamma must be in \(0, 1\]"),
-        ({"MOIRA_GAMMA": "1.5"}, r"gamma must be in \(0, 1\]"),
+        ({"MOIRA_GAMMA": "0"}, r"MOIRA_GAMMA must be in \(0, 1\]"),
+        ({"MOIRA_GAMMA": "1.5"}, r"MOIRA_GAMMA must be in \(0, 1\]"),
         ({"MOIRA_GAMMA": "high"}, r"MOIRA_GAMMA='high' is not a valid float"),
-        ({"MOIRA_SELECTOR": "topk"}, r"selector must be one of"),
-        ({"MOIRA_SELECTOR": "fixed"}, r"needs exactly one of fixed_pages"),
+        ({"MOIRA_SELECTOR": "topk"}, r"MOIRA_SELECTOR must be one of \('coverage', 'fixed'\)"),
+        ({"MOIRA_SELECTOR": "fixed"}, r"needs exactly one of MOIRA_FIXED_PAGES"),
         (
             {"MOIRA_FIXED_PAGES": "8"},
-            r"fixed_pages / fixed_fraction are only used with selector='fixed'",
+            r"MOIRA_FIXED_PAGES / MOIRA_FIXED_FRACTION are only used with "
+            r"MOIRA_SELECTOR='fixed'",
         ),
-        ({"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"}, r"fixed_pages"),
-        ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"min_chunk_pages must be an integer >= 1"),
-        ({"MOIRA_ATTEND_FILL_BLOCKS": "-1"}, r"attend_fill_blocks must be an integer >= 0"),
-        ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"dense_batch_tokens must be an integer >= 0"),
+        (
+            {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"},
+            r"MOIRA_FIXED_PAGES, an integer >= 1",
+        ),
+        ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"MOIRA_MIN_CHUNK_PAGES must be an integer >= 1"),
+        ({"MOIRA_ATTEND_FILL_BLOCKS": "-1"}, r"MOIRA_ATTEND_FILL_BLOCKS must be an integer >= 0"),
+        ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"MOIRA_DENSE_BATCH_TOKENS must be an integer >= 0"),
         (
             {"MOIRA_ATTEND_SCHEDULE": "stream"},
-            r"attend_schedule must be one of \('lists', 'pages'\)",
+            r"MOIRA_ATTEND_SCHEDULE must be one of \('lists', 'pages'\)",
         ),
-        ({"MOIRA_DENSE_STEPS": "dense"}, r"dense_steps must be one of \('moira', 'fa3'\)"),
+        ({"MOIRA_DENSE_STEPS": "dense"}, r"MOIRA_DENSE_STEPS must be one of \('moira', 'fa3'\)"),
         ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
+        (
+            {"MOIRA_ESTIMATOR": "box"},
+            r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_rem', .*'mvar_top8'\)",
+        ),
+        (
+            {"MOIRA_SUMMARY_DTYPE": "fp8"},
+            r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8'\)",
+        ),
     ],
 )
 def test_config_errors(env, expected):
@@ -267,10 +284,24 @@ def test_config_errors(env, expected):
         moira_module().moira_config_from_env(env)
 
 
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"gamma": 0.0}, r"Moira: gamma must be in \(0, 1\]"),
+        ({"estimator": "box"}, r"Moira: estimator must be one of"),
+        ({"selector": "fixed"}, r"Moira: selector='fixed' needs exactly one of fixed_pages"),
+    ],
+)
+def test_api_config_errors_name_the_field(changes, expected):
+    with pytest.raises(ValueError, match=expected) as excinfo:
+        moira_module().MoiraConfig(**changes).validate()
+    assert "MOIRA_" not in str(excinfo.value)
+
+
 def test_bad_env_config_is_a_selection_refusal(monkeypatch):
     monkeypatch.setenv("MOIRA_GAMMA", "2")
     reasons = moira_module().MoiraBackend.validate_configuration(**_good())
-    assert any("gamma" in r for r in reasons), reasons
+    assert any("MOIRA_GAMMA must be in (0, 1]" in r for r in reasons), reasons
 
 
 def _fake_vllm_config(**over):
@@ -600,12 +631,14 @@ def test_forward_dense_step_runs_fa_and_the_summary_writer(
 
 
 def test_rpc_read_stats_includes_dense_steps(builder, step_class):
+    from vllm.v1.worker import moira_rpc
+
     mod = moira_module()
     step_class(1)
     builder.build(0, _cam([1], [130]))  # 3 pages x 2 KV heads x 1 layer
     builder.workspace.read_stats.copy_(torch.tensor([1, 4]))
     kept, total = (sum(v) for v in zip(*[ws.read_counts() for ws in mod.live_workspaces()]))
-    assert mod.rpc_read_stats(None, reset=True) == [kept, total]
+    assert moira_rpc.read_stats(None, reset=True) == [kept, total]
     assert builder.workspace.read_counts() == (0, 0)
 
 

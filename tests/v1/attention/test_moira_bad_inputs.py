@@ -129,7 +129,7 @@ def _build(cfg):
         )
 
 
-_GAMMA = r"gamma must be in \(0, 1\] \(default 0\.98\), got "
+_GAMMA = r"MOIRA_GAMMA must be in \(0, 1\] \(default 0\.98\), got "
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
 _CONNECTOR = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
@@ -144,25 +144,32 @@ MATRIX = [
     ("gamma-text", "llama", {}, {"MOIRA_GAMMA": "high"}, {},
      r"MOIRA_GAMMA='high' is not a valid float", True),
     ("selector-name", "llama", {}, {"MOIRA_SELECTOR": "topk"}, {},
-     r"selector must be one of \('coverage', 'fixed'\), got 'topk'", True),
+     r"MOIRA_SELECTOR must be one of \('coverage', 'fixed'\), got 'topk'", True),
     ("K-0", "llama", {}, {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"}, {},
-     r"fixed_pages, an integer >= 1", True),
+     r"MOIRA_SELECTOR='fixed' needs MOIRA_FIXED_PAGES, an integer >= 1", True),
     ("K-neg", "llama", {}, {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "-3"}, {},
-     r"fixed_pages, an integer >= 1", True),
+     r"MOIRA_FIXED_PAGES, an integer >= 1", True),
     ("K-text", "llama", {}, {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "4.5"}, {},
      r"MOIRA_FIXED_PAGES='4.5' is not a valid int", True),
     ("K-missing", "llama", {}, {"MOIRA_SELECTOR": "fixed"}, {},
-     r"selector='fixed' needs exactly one of fixed_pages .*or fixed_fraction \(in \(0, 1\]\)",
+     r"MOIRA_SELECTOR='fixed' needs exactly one of MOIRA_FIXED_PAGES .*or "
+     r"MOIRA_FIXED_FRACTION \(in \(0, 1\]\)",
      True),
     ("K-without-fixed", "llama", {}, {"MOIRA_FIXED_PAGES": "8"}, {},
-     r"fixed_pages / fixed_fraction are only used with selector='fixed'", True),
+     r"MOIRA_FIXED_PAGES / MOIRA_FIXED_FRACTION are only used with MOIRA_SELECTOR='fixed'",
+     True),
     ("fraction-gt1", "llama", {},
      {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_FRACTION": "1.5"}, {},
-     r"fixed_fraction must be in \(0, 1\], got 1\.5", True),
+     r"MOIRA_FIXED_FRACTION must be in \(0, 1\], got 1\.5", True),
     ("chunk-0", "llama", {}, {"MOIRA_MIN_CHUNK_PAGES": "0"}, {},
-     r"min_chunk_pages must be an integer >= 1, got 0", True),
+     r"MOIRA_MIN_CHUNK_PAGES must be an integer >= 1, got 0", True),
     ("splits-0", "llama", {}, {"MOIRA_MIN_SPLITS_PER_ROW": "0"}, {},
-     r"min_splits_per_row must be an integer >= 1, got 0", True),
+     r"MOIRA_MIN_SPLITS_PER_ROW must be an integer >= 1, got 0", True),
+    ("estimator-name", "llama", {}, {"MOIRA_ESTIMATOR": "box"}, {},
+     r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_rem', 'mvar_top2', 'mvar_top4', "
+     r"'mvar_top8'\) \(default 'mvar_top8'\), got 'box'", True),
+    ("summary-dtype", "llama", {}, {"MOIRA_SUMMARY_DTYPE": "fp8"}, {},
+     r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8'\)", True),
     ("env-typo", "llama", {}, {"MOIRA_GAMA": "0.9"}, {},
      r"unknown environment variable\(s\) \['MOIRA_GAMA'\]; supported: \[.*'MOIRA_GAMMA'", True),
     ("block-16", "llama", {"block_size": 16}, {}, {},
@@ -246,7 +253,7 @@ def test_accepted_inputs_select_moira(models, monkeypatch, model, engine_kwargs,
 
 
 def test_matrix_covers_the_issue_list():
-    """The options issue 7 names, each present in the matrix."""
+    """Each option of the refusal list is present in the matrix."""
     ids = {row[0] for row in MATRIX}
     required = {
         "gamma-0", "gamma-gt1", "selector-name", "K-0", "block-16", "kv-fp8",

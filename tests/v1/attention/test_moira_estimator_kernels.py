@@ -137,7 +137,7 @@ def test_estimate_matches_reference(estimator, layout, group, head_size, pattern
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, estimator,
                                               pattern, query_scale=3.0)  # fmt: skip
     scale = head_size**-0.5
-    config = moira.MoiraConfig(estimator=estimator)
+    config = moira.MoiraConfig.paper(estimator=estimator)
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1], config, "cpu")
     ws.logmass.fill_(float("nan"))
     moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
@@ -167,7 +167,7 @@ def test_estimators_differ_on_outlier_pages():
                                                   "outlier", seed=5)  # fmt: skip
         query = (query.float() * 4).to(torch.bfloat16)
         ws = moira.MoiraWorkspace(1, 4, 1, 64, table.shape[1],
-                                  moira.MoiraConfig(estimator=estimator), "cpu")  # fmt: skip
+                                  moira.MoiraConfig.paper(estimator=estimator), "cpu")  # fmt: skip
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
                                     estimator)  # fmt: skip
         results[estimator] = ws.logmass[0, :, :, 1:5].clone()
@@ -177,7 +177,7 @@ def test_estimators_differ_on_outlier_pages():
 
 def test_estimate_rejects_wrong_summary_layout():
     kv, summaries, table, seq, query = _batch([200], 1, 2, 64, "head_major", "mvar")
-    ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig(), "cpu")
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig.paper(), "cpu")
     with pytest.raises(ValueError, match="needs a summary of 6 slots"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
                                     "mvar_top4")  # fmt: skip
@@ -195,7 +195,7 @@ def test_estimate_rejects_wrong_summary_layout():
 
 @pytest.mark.parametrize("estimator", ["mvar_rem", "mvar_top4"])
 def test_gamma_one_equals_dense(estimator):
-    config = moira.MoiraConfig(gamma=1.0, estimator=estimator, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=1.0, estimator=estimator, **SMALL_SPLITS)
     seq_lens = [1, 64, (3 * 2 + 1) * PAGE, 64 * 4 + 17, 0]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 4, 128, "head_major", estimator)
     ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
@@ -209,7 +209,7 @@ def test_gamma_one_equals_dense(estimator):
 
 def test_moira_decode_refuses_summaries_of_another_estimator():
     kv, summaries, table, seq, query = _batch([300], 1, 2, 64, "head_major", "mvar")
-    config = moira.MoiraConfig(estimator="mvar_top2")
+    config = moira.MoiraConfig.paper(estimator="mvar_top2")
     ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], config, "cpu")
     with pytest.raises(ValueError, match="'mvar_top2' needs a summary of 4 slots"):
         moira.moira_decode(query, kv, summaries, table, seq, torch.empty_like(query), ws, 0.125)
@@ -226,12 +226,14 @@ def test_estimator_constants_match_reference():
     assert moira.MoiraConfig().summary_dtype == moira.MOIRA_DEFAULT_SUMMARY_DTYPE == "int8"
     for estimator in moira.MOIRA_ESTIMATORS:
         assert moira.summary_slots(estimator) == ref.summary_slots(estimator)
-        assert moira.MoiraConfig(estimator=estimator).summary_slots == ref.summary_slots(estimator)
+        assert moira.MoiraConfig.paper(estimator=estimator).summary_slots == ref.summary_slots(
+            estimator
+        )
 
 
 def test_config_rejects_unknown_estimator():
     with pytest.raises(ValueError, match=r"estimator must be one of \('mvar', 'mvar_rem'"):
-        moira.MoiraConfig(estimator="mvar_top3").validate()
+        moira.MoiraConfig.paper(estimator="mvar_top3").validate()
 
 
 @pytest.mark.parametrize(
@@ -261,7 +263,7 @@ def test_config_from_env_estimator_errors(env, message):
 
 
 def test_set_selector_cannot_change_estimator():
-    ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig(estimator="mvar_top4"), "cpu")
-    ws.set_selector(moira.MoiraConfig(gamma=0.9, estimator="mvar_top4"))
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig.paper(estimator="mvar_top4"), "cpu")
+    ws.set_selector(moira.MoiraConfig.paper(gamma=0.9, estimator="mvar_top4"))
     with pytest.raises(ValueError, match="cannot change.*estimator"):
-        ws.set_selector(moira.MoiraConfig(gamma=0.9, estimator="mvar"))
+        ws.set_selector(moira.MoiraConfig.paper(gamma=0.9, estimator="mvar"))

@@ -133,7 +133,7 @@ def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
     expected = summaries.clone()  # every full page summarized by the writer
     filled = [int(table[0, 0]), int(table[1, 3])]
     sentinel = 99 if summaries.dtype == torch.int8 else float("nan")
-    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype,
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype,
                                dense_batch_tokens=4096 if dense else 0)  # fmt: skip
     ws = moira.MoiraWorkspace(4, 4, 2, 64, table.shape[1], config, "cpu")
     num_slots, scales = moira._summary_layout(summaries)  # int8: the scales row's fp32 view
@@ -202,7 +202,7 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
                                               estimator="mvar")  # fmt: skip
     scale = head_size**-0.5
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
-                              moira.MoiraConfig(), "cpu")  # fmt: skip
+                              moira.MoiraConfig.paper(), "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
     moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, "mvar")
     for row, seq_len in enumerate(seq_lens):
@@ -250,7 +250,7 @@ def test_select_lists_equal_reference_at_098(group, long_lanes):
     seq_lens = torch.randint(1, max_pages * PAGE + 1, (num_rows,), generator=gen)
     seq_lens[:4] = torch.tensor([1, 64, 129, max_pages * PAGE])  # edge lengths
     logmass = _random_logmass(num_rows, num_kv_heads, group, max_pages, seed=group)
-    config = moira.MoiraConfig(gamma=0.98)
+    config = moira.MoiraConfig.paper(gamma=0.98)
     ws = _run_select(logmass, seq_lens.tolist(), config)
     checked = 0
     for row, seq_len in enumerate(seq_lens.tolist()):
@@ -269,7 +269,7 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
     num_rows, max_pages = 6, 200
     seq_lens = [max_pages * PAGE, 5000, 3 * PAGE, 64 * 77 + 5, 999, 64 * 150]
     logmass = _random_logmass(num_rows, 2, 3, max_pages, seed=7)
-    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=gamma))
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=gamma))
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
@@ -293,7 +293,7 @@ def test_select_gamma_one_keeps_every_page():
     max_pages = 90
     seq_lens = [1, 64, 65, 64 * 90, 64 * 37 + 1]
     logmass = _random_logmass(len(seq_lens), 2, 4, max_pages, seed=3, spread=30.0)
-    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=1.0))
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=1.0))
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         for h in range(2):
@@ -306,7 +306,7 @@ def test_select_fixed_count(fixed_pages):
     max_pages = 64
     seq_lens = [1, 64 * 3, 64 * 64, 64 * 20 + 3]
     logmass = _random_logmass(len(seq_lens), 2, 3, max_pages, seed=fixed_pages)
-    config = moira.MoiraConfig(selector="fixed", fixed_pages=fixed_pages)
+    config = moira.MoiraConfig.paper(selector="fixed", fixed_pages=fixed_pages)
     ws = _run_select(logmass, seq_lens, config)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -324,7 +324,7 @@ def test_select_fixed_fraction(fraction):
     seq_lens = [1, 64 * 3, 64 * 70, 64 * 33 + 9]
     logmass = _random_logmass(len(seq_lens), 2, 4, max_pages, seed=21)
     ws = _run_select(
-        logmass, seq_lens, moira.MoiraConfig(selector="fixed", fixed_fraction=fraction)
+        logmass, seq_lens, moira.MoiraConfig.paper(selector="fixed", fixed_fraction=fraction)
     )
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -343,7 +343,7 @@ def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages, long_lanes):
     seq_lens = [max_pages * PAGE, 20 * PAGE + 3]
     logmass = torch.full((len(seq_lens), 2, 3, max_pages), 4.1588831)
     logmass[1, 1, :, 5] += 2.0  # one page above the ties
-    config = moira.MoiraConfig(selector="fixed", fixed_pages=6)
+    config = moira.MoiraConfig.paper(selector="fixed", fixed_pages=6)
     ws = _run_select(logmass, seq_lens, config)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -363,12 +363,12 @@ def test_set_selector_switches_in_place():
     max_pages = 40
     seq_lens = [64 * 40, 64 * 17 + 3]
     logmass = _random_logmass(len(seq_lens), 2, 3, max_pages, seed=4)
-    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=0.9))
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=0.9))
     params = ws.selector_params.data_ptr()
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     for config in (
-        moira.MoiraConfig(gamma=1.0),
-        moira.MoiraConfig(selector="fixed", fixed_pages=3),
+        moira.MoiraConfig.paper(gamma=1.0),
+        moira.MoiraConfig.paper(selector="fixed", fixed_pages=3),
     ):
         ws.set_selector(config)
         moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
@@ -379,26 +379,7 @@ def test_set_selector_switches_in_place():
             assert ws.page_count[row].tolist() == [expected, expected]
     assert ws.selector_params.data_ptr() == params
     with pytest.raises(ValueError, match="cannot change"):
-        ws.set_selector(moira.MoiraConfig(min_chunk_pages=5))
-
-
-def test_rpc_controls_reach_every_live_workspace():
-    """collective_rpc entry points (tensor parallelism): switch the selector on
-    every workspace of the process and read / reset the summed read counters."""
-    workspaces = [
-        moira.MoiraWorkspace(2, 4, 2, 64, 8, moira.MoiraConfig(), "cpu") for _ in range(2)
-    ]
-    assert moira.rpc_set_selector(None, gamma=0.5) >= 2
-    for ws in workspaces:
-        assert ws.selector_params[0].item() == pytest.approx(0.5)
-        assert ws.config.gamma == 0.5
-    with pytest.raises(ValueError, match="gamma"):
-        moira.rpc_set_selector(None, gamma=1.5)
-    for k, ws in enumerate(workspaces):
-        ws.read_stats.copy_(torch.tensor([k + 1, 10]))
-    kept, total = moira.rpc_read_stats(None, reset=True)
-    assert kept >= 3 and total >= 20
-    assert all(ws.read_stats.tolist() == [0, 0] for ws in workspaces)
+        ws.set_selector(moira.MoiraConfig.paper(min_chunk_pages=5))
 
 
 def test_select_rows_longer_than_4096_pages():
@@ -406,7 +387,7 @@ def test_select_rows_longer_than_4096_pages():
     max_pages = 4096 + 300
     seq_lens = [max_pages * PAGE, 4097 * PAGE + 1, 200 * PAGE]
     logmass = _random_logmass(len(seq_lens), 1, 2, max_pages, seed=11)
-    ws = _run_select(logmass, seq_lens, moira.MoiraConfig(gamma=0.98))
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=0.98))
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
@@ -436,7 +417,7 @@ def _gamma_one_step(config, seq_lens, group, head_size, layout):
 def test_gamma_one_equals_dense(layout, group, head_size):
     # Rows: 1 token, one page, C pages exactly, J*C + 1 pages (J = 3 here),
     # a ragged row, and a padded row (seq_len 0, must stay untouched).
-    config = moira.MoiraConfig(gamma=1.0, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=1.0, **SMALL_SPLITS)
     seq_lens = [1, 64, 2 * PAGE, (3 * 2 + 1) * PAGE, 64 * 4 + 17, 0]
     out, dense, ws = _gamma_one_step(config, seq_lens, group, head_size, layout)
     for row, seq_len in enumerate(seq_lens[:-1]):
@@ -461,7 +442,7 @@ def test_gamma_one_equals_dense(layout, group, head_size):
     ],
 )
 def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimator):
-    config = moira.MoiraConfig(gamma=gamma, estimator=estimator, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, **SMALL_SPLITS)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern,
                                               estimator=estimator)  # fmt: skip
@@ -479,7 +460,7 @@ def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimato
 
 def test_attend_accepts_any_page_list():
     """attend() runs other selectors' lists (here: every other page)."""
-    config = moira.MoiraConfig(**SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
     seq_lens = [64 * 9 + 5, 64 * 3]
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "token_major")
     ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
@@ -504,7 +485,7 @@ def test_default_split_constants_single_and_multi_chunk():
     """Eq. 4 exactly (attend_fill_blocks=1) with C=24, N_J=32, N_T=4096: a
     24-page row is one chunk written by Attend directly; a 25-page row is
     two chunks combined by Merge."""
-    config = moira.MoiraConfig(gamma=1.0, attend_fill_blocks=1)
+    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=1)
     seq_lens = [24 * PAGE, 25 * PAGE]
     kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "head_major")
     ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
@@ -531,7 +512,7 @@ def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, ch
     and 7 chunks); N_F = 1 is Eq. 4. The chunk size is the step's, not each
     list's: lists of 10 and 40 pages at N_F = 10 both get 5-page chunks (2 and
     8 of them). The output equals dense attention each time."""
-    config = moira.MoiraConfig(gamma=1.0, attend_fill_blocks=fill_blocks)
+    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=fill_blocks)
     seq_lens = [n * PAGE for n in pages]
     kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "token_major", seed=3)
     ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
@@ -548,9 +529,9 @@ def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, ch
 def test_fill_blocks_default_is_the_blocks_the_device_holds():
     """attend_fill_blocks = 0 (default) resolves to ATTEND_BLOCKS_PER_SM per SM
     (off the GPU: 132 SMs, an H200); a set value is used as given."""
-    ws = moira.MoiraWorkspace(2, 2, 1, 64, 8, moira.MoiraConfig(), "cpu")
+    ws = moira.MoiraWorkspace(2, 2, 1, 64, 8, moira.MoiraConfig.paper(), "cpu")
     assert ws.attend_fill_blocks == moira.ATTEND_BLOCKS_PER_SM * 132 == 396
-    ws = moira.MoiraWorkspace(2, 2, 1, 64, 8, moira.MoiraConfig(attend_fill_blocks=7), "cpu")
+    ws = moira.MoiraWorkspace(2, 2, 1, 64, 8, moira.MoiraConfig.paper(attend_fill_blocks=7), "cpu")
     assert ws.attend_fill_blocks == 7
 
 
@@ -559,7 +540,7 @@ def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
     workspace.list_pages (Estimate zeroes it first, so a second step does not
     accumulate); attend() without it sums the counts itself and gives the
     same output bit for bit."""
-    config = moira.MoiraConfig(gamma=0.9, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_SPLITS)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
     ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
@@ -579,7 +560,7 @@ def test_dense_batch_tokens_reads_short_rows_whole():
     (their log-masses stay unwritten) and keep every page; longer rows in
     the same batch go through the coverage rule as usual."""
     seq_lens = [64 * 3 + 5, 64 * 12, 64 * 20]  # 4, 12, 20 pages; x 3 rows: 12, 36, 60
-    config = moira.MoiraConfig(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_SPLITS)
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
     ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
     ws.logmass.fill_(float("nan"))
@@ -635,7 +616,9 @@ def test_page_schedule_gamma_one_equals_dense(layout, group, head_size, fill_blo
     """Every page kept: the "pages" schedule equals dense attention for 1, a
     few and more blocks than pages (1-token, 1-page, ragged and padded rows),
     and leaves the padded row untouched."""
-    config = moira.MoiraConfig(gamma=1.0, attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    config = moira.MoiraConfig.paper(
+        gamma=1.0, attend_schedule="pages", attend_fill_blocks=fill_blocks
+    )
     seq_lens = [1, 64, 2 * PAGE, 7 * PAGE, 64 * 4 + 17, 0]
     out, dense, _ = _gamma_one_step(config, seq_lens, group, head_size, layout)
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
@@ -652,7 +635,9 @@ def test_page_schedule_sparse_decode_matches_reference(layout, group, pattern, g
                                                        fill_blocks):  # fmt: skip
     """The coverage rule's lists attended under the "pages" schedule equal the
     reference step (its lists are Select's, so only Attend and Merge differ)."""
-    config = moira.MoiraConfig(gamma=gamma, attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    config = moira.MoiraConfig.paper(
+        gamma=gamma, attend_schedule="pages", attend_fill_blocks=fill_blocks
+    )
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern)
     ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
@@ -670,7 +655,7 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
     reference over its pages, lists of no pages leave their output as it
     was, and Attend wrote a partial slot exactly for each part of a list
     that spans several blocks (slots start NaN)."""
-    config = moira.MoiraConfig(attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    config = moira.MoiraConfig.paper(attend_schedule="pages", attend_fill_blocks=fill_blocks)
     seq_lens = [64 * 9 + 5, 64 * 3, 64 * 14]
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "head_major", seed=4)
     ws = moira.MoiraWorkspace(3, 4, 2, 64, table.shape[1], config, "cpu")
@@ -706,7 +691,7 @@ def test_page_schedule_equals_list_schedule_within_rounding():
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 4, 64, "token_major", "concentrated")
     outs = []
     for schedule in moira.MOIRA_ATTEND_SCHEDULES:
-        config = moira.MoiraConfig(gamma=0.95, attend_schedule=schedule, attend_fill_blocks=6)
+        config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, attend_fill_blocks=6)
         ws = moira.MoiraWorkspace(4, 8, 2, 64, table.shape[1], config, "cpu")
         out = torch.empty_like(query)
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
@@ -747,22 +732,22 @@ def test_merge_matches_reference_lse_combine():
 )
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        moira.MoiraConfig(**kwargs).validate()
+        moira.MoiraConfig.paper(**kwargs).validate()
 
 
 def test_selector_values_carry_the_dense_row_threshold_in_pages():
     # Estimate and Select compare pages x rows with selector_params[3].
-    assert moira.MoiraConfig().selector_values()[3] == 0.0
-    assert moira.MoiraConfig(dense_batch_tokens=32768).selector_values()[3] == 512.0
-    fixed = moira.MoiraConfig(selector="fixed", fixed_pages=5, dense_batch_tokens=100)
+    assert moira.MoiraConfig.paper().selector_values()[3] == 0.0
+    assert moira.MoiraConfig.paper(dense_batch_tokens=32768).selector_values()[3] == 512.0
+    fixed = moira.MoiraConfig.paper(selector="fixed", fixed_pages=5, dense_batch_tokens=100)
     assert fixed.selector_values() == (0.98, 5.0, 0.0, 1.0)  # whole pages: 100 // 64
 
 
 def test_workspace_rejects_unsupported_geometry():
     with pytest.raises(ValueError, match="head_size must be one of"):
-        moira.MoiraWorkspace(2, 8, 2, 96, 4, moira.MoiraConfig(), "cpu")
+        moira.MoiraWorkspace(2, 8, 2, 96, 4, moira.MoiraConfig.paper(), "cpu")
     with pytest.raises(ValueError, match="multiple of"):
-        moira.MoiraWorkspace(2, 6, 4, 64, 4, moira.MoiraConfig(), "cpu")
+        moira.MoiraWorkspace(2, 6, 4, 64, 4, moira.MoiraConfig.paper(), "cpu")
 
 
 # --------------------------------------------------------------------------
@@ -783,7 +768,7 @@ def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
     kv, summaries, table, seq, query = _batch(seq_lens, num_kv_heads, group, head_size, layout,
                                               pattern="concentrated")  # fmt: skip
     splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 5}
-    config = moira.MoiraConfig(gamma=0.95, attend_schedule=schedule, **splits)
+    config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, **splits)
     scale = head_size**-0.5
     whole = moira.MoiraWorkspace(8, num_kv_heads * group, num_kv_heads, head_size,
                                  table.shape[1], config, "cpu")  # fmt: skip

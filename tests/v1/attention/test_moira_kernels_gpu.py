@@ -160,7 +160,7 @@ def test_small_batch_dependent_launches_equal_plain_launches_bitwise(small_case)
 def _page_schedule(**changes):
     from vllm.v1.attention.backends import moira
 
-    return moira.MoiraConfig(attend_schedule="pages", **changes)
+    return moira.MoiraConfig.paper(attend_schedule="pages", **changes)
 
 
 def test_page_schedule_gamma_one_matches_fa3_within_one_ulp(case):
@@ -254,7 +254,7 @@ def test_estimate_writes_filled_pages_like_the_writer(name):
     summaries = expected.clone()
     filled = [int(table[r, (seq_lens[r] - 1) // 64]) for r in range(3)]
     summaries[filled] = 0
-    config = moira.MoiraConfig(estimator=estimator, summary_dtype=summary_dtype)
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype)
     ws = moira.MoiraWorkspace(4, 32, 8, 128, 40, config, "cuda")
     moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 128**-0.5,
                                 estimator, ws.selector_params, write_filled_pages=True)  # fmt: skip

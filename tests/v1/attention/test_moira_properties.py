@@ -210,10 +210,12 @@ def logmass_cases(draw):
 def _config(case, **splits):
     splits = {"estimator": case.get("estimator", "mvar"), **splits}
     if case["fixed_pages"] is not None:
-        return moira.MoiraConfig(selector="fixed", fixed_pages=case["fixed_pages"], **splits)
+        return moira.MoiraConfig.paper(selector="fixed", fixed_pages=case["fixed_pages"], **splits)
     if case["fixed_fraction"] is not None:
-        return moira.MoiraConfig(selector="fixed", fixed_fraction=case["fixed_fraction"], **splits)
-    return moira.MoiraConfig(gamma=case["gamma"], **splits)
+        return moira.MoiraConfig.paper(
+            selector="fixed", fixed_fraction=case["fixed_fraction"], **splits
+        )
+    return moira.MoiraConfig.paper(gamma=case["gamma"], **splits)
 
 
 def _ref_select(pibar, case):
@@ -350,7 +352,7 @@ def test_attend_any_lists_property(case, data):
             page_count[row, h] = len(pages)
             row_lists.append(pages)
         lists.append(row_lists)
-    config = moira.MoiraConfig(**SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
     ws = moira.MoiraWorkspace(rows, query.shape[1], hkv, d, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     scale = d**-0.5
@@ -420,7 +422,7 @@ def test_block_offsets_beyond_int32(layout):
     query = torch.randn(2, hkv * group, d, generator=gen).to(torch.bfloat16)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     for gamma in (1.0, 0.6):
-        config = moira.MoiraConfig(gamma=gamma, estimator="mvar", **SMALL_SPLITS)
+        config = moira.MoiraConfig.paper(gamma=gamma, estimator="mvar", **SMALL_SPLITS)
         ws = moira.MoiraWorkspace(2, hkv * group, hkv, d, 5, config, "cpu")
         out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, d**-0.5)

@@ -46,7 +46,7 @@ def _batch(seq_lens, width=None, layout="token_major", seed=0):
 
 
 def _workspace(rows, width, **config):
-    cfg = moira.MoiraConfig(**{**SMALL_SPLITS, **config})
+    cfg = moira.MoiraConfig.paper(**{**SMALL_SPLITS, **config})
     return moira.MoiraWorkspace(rows, HKV * GROUP, HKV, D, width, cfg, "cpu")
 
 

@@ -46,7 +46,7 @@ def test_select_per_row_gamma_matches_reference():
     seq_lens = [max_pages * PAGE, 64 * 200 + 7, 64 * 120, 64 * 250, 64 * 90 + 1, 64 * 40]
     row_gamma = [0.0, 1.0, 0.5, 0.98, 0.0, 1.0]
     logmass = _random_logmass(len(seq_lens), 2, 4, max_pages, seed=17)
-    ws = _select(logmass, seq_lens, moira.MoiraConfig(gamma=SERVER_GAMMA), row_gamma)
+    ws = _select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=SERVER_GAMMA), row_gamma)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         effective = row_gamma[row] if row_gamma[row] > 0 else SERVER_GAMMA
@@ -61,7 +61,7 @@ def test_select_per_row_gamma_matches_reference():
                 assert count < n, "sparse row kept every page: the data is too flat"
     # Server-gamma rows select what a workspace without row_gamma selects.
     plain = moira.MoiraWorkspace(len(seq_lens), 8, 2, 64, max_pages,
-                                 moira.MoiraConfig(gamma=SERVER_GAMMA), "cpu")  # fmt: skip
+                                 moira.MoiraConfig.paper(gamma=SERVER_GAMMA), "cpu")  # fmt: skip
     plain.logmass.copy_(logmass)
     moira.select_pages(plain.logmass, torch.tensor(seq_lens, dtype=torch.int32), plain.pibar,
                        plain.page_list, plain.page_count, plain.selector_params,
@@ -75,7 +75,7 @@ def test_fixed_count_selector_ignores_row_gamma():
     max_pages = 64
     seq_lens = [64 * 64, 64 * 20 + 3, 64 * 33]
     logmass = _random_logmass(len(seq_lens), 2, 3, max_pages, seed=5)
-    config = moira.MoiraConfig(selector="fixed", fixed_pages=5)
+    config = moira.MoiraConfig.paper(selector="fixed", fixed_pages=5)
     ws = _select(logmass, seq_lens, config, [1.0, 0.5, 0.0])
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -87,7 +87,7 @@ def test_fixed_count_selector_ignores_row_gamma():
 
 
 def test_set_row_gamma_resets_later_rows_in_place():
-    ws = moira.MoiraWorkspace(6, 4, 2, 64, 8, moira.MoiraConfig(), "cpu")
+    ws = moira.MoiraWorkspace(6, 4, 2, 64, 8, moira.MoiraConfig.paper(), "cpu")
     address = ws.row_gamma.data_ptr()
     ws.set_row_gamma(torch.tensor([0.5, 1.0, 0.7, 0.9, 0.6, 0.8]), 6)
     assert ws.row_gamma.tolist() == pytest.approx([0.5, 1.0, 0.7, 0.9, 0.6, 0.8])
@@ -106,7 +106,7 @@ def test_set_row_gamma_resets_later_rows_in_place():
 def test_decode_with_mixed_row_gamma_matches_reference(layout, group):
     """The whole step with one gamma per row: lists and outputs follow the
     reference, the gamma=1 row equals dense attention, the padded row is untouched."""
-    config = moira.MoiraConfig(gamma=SERVER_GAMMA, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=SERVER_GAMMA, **SMALL_SPLITS)
     seq_lens = [64 * 12, 64 * 12, 64 * 7 + 3, 100, 0]
     row_gamma = [1.0, 0.0, 0.5, 0.95, 0.0]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, "concentrated")

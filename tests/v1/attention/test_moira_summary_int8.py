@@ -190,7 +190,7 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern):
     assert summaries.dtype == torch.int8
     scale = head_size**-0.5
     ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1],
-                              moira.MoiraConfig(estimator=estimator, summary_dtype="int8"),
+                              moira.MoiraConfig.paper(estimator=estimator, summary_dtype="int8"),
                               "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
     moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
@@ -206,7 +206,7 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern):
 def test_sparse_decode_int8_matches_reference(estimator):
     """Lists equal the reference's on the stored (dequantized) summaries; the output
     matches the reference's attention over those lists."""
-    config = moira.MoiraConfig(gamma=0.9, estimator=estimator, summary_dtype="int8",
+    config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype="int8",
                                **SMALL_SPLITS)  # fmt: skip
     seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
     kv, summaries, table, seq, query = make_decode_batch(
@@ -228,7 +228,7 @@ def test_sparse_decode_int8_matches_reference(estimator):
 
 
 def test_gamma_one_int8_equals_dense():
-    config = moira.MoiraConfig(gamma=1.0, summary_dtype="int8", **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype="int8", **SMALL_SPLITS)
     seq_lens = [1, 64, 7 * PAGE, 64 * 4 + 17]
     kv, summaries, table, seq, query = make_decode_batch(seq_lens, 2, 4, 128, "head_major",
                                                          config.estimator,
@@ -243,7 +243,7 @@ def test_gamma_one_int8_equals_dense():
 def test_estimate_rejects_int8_summaries_of_another_estimator():
     kv, summaries, table, seq, query = make_decode_batch([300], 1, 2, 64, "head_major", "mvar",
                                                          summary_dtype="int8")  # fmt: skip
-    ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig(), "cpu")
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig.paper(), "cpu")
     with pytest.raises(ValueError, match=r"needs a summary of 6 slots .*int8: 7 rows"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
                                     "mvar_top4")  # fmt: skip
@@ -283,9 +283,9 @@ def test_config_summary_dtype():
     assert moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "INT8"}).summary_dtype == "int8"
     with pytest.raises(ValueError, match=r"summary_dtype must be one of \('bfloat16', 'int8'\)"):
         moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "fp8"})
-    ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig(summary_dtype="int8"), "cpu")
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig.paper(summary_dtype="int8"), "cpu")
     with pytest.raises(ValueError, match="cannot change.*summary_dtype"):
-        ws.set_selector(moira.MoiraConfig(gamma=0.9, summary_dtype="bfloat16"))
+        ws.set_selector(moira.MoiraConfig.paper(gamma=0.9, summary_dtype="bfloat16"))
 
 
 def test_summary_storage_table_and_benchmark_names():
@@ -304,7 +304,7 @@ def test_estimate_rejects_an_unknown_int8_conversion(monkeypatch):
         [300], 2, 4, 64, "token_major", "mvar_top8", "random", summary_dtype="int8"
     )
     ws = moira.MoiraWorkspace(1, 8, 2, 64, table.shape[1],
-                              moira.MoiraConfig(estimator="mvar_top8", summary_dtype="int8"),
+                              moira.MoiraConfig.paper(estimator="mvar_top8", summary_dtype="int8"),
                               "cpu")  # fmt: skip
     with pytest.raises(ValueError, match=r"int8_convert.*'auto', 'prmt', 'bf16' or 'imma'.*'fp8'"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,

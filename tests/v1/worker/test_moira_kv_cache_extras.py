@@ -269,7 +269,7 @@ def test_moira_impl_hook_end_to_end(tmp_path):
         assert ms.live_summary_bytes() - base == summary_bytes
 
         kv_bytes = shared_kv.numel() * 2
-        ws_bytes = ms.workspace_bytes(cfg, 4, 2, 64)
+        ws_bytes = moira_module().moira_workspace_bytes(cfg, 4, 2, 64)
         # The backend's config (its Attend schedule sizes the partials).
         builder_ws = mod.MoiraWorkspace(8, 4, 2, 64, 1024 // 64, mod.moira_config_from_env(),
                                         "cpu")  # fmt: skip

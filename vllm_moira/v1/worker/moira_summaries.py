@@ -21,16 +21,23 @@ each manager block is split into several 64-token kernel blocks and the view
 has that many more rows. Layers that share a KV view (cross-layer KV sharing)
 get the same summary buffer: the registry is keyed on the view's device,
 ``data_ptr()`` and geometry.
+
+The storage of a summary (page size, dtypes) is defined here; the backend
+imports it, and this module imports nothing of the backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-#: Tokens per page (one summary per page); equals MOIRA_PAGE_SIZE.
-PAGE_SIZE = 64
+#: Tokens per page: one summary per page, and the kernels' block size.
+MOIRA_PAGE_SIZE = 64
+#: Summary storage -> (torch dtype, extra rows per (page, KV head)). "bfloat16":
+#: each slot vector as D bf16 values (the paper's summary). "int8": D int8
+#: values per slot and one fp32 scale per slot (absmax / 127), the scales in
+#: one extra row of D bytes after the slots.
+_SUMMARY_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
+MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
 
 # (device, data_ptr, shape) of a KV view -> [summaries, number of holders].
 _REGISTRY: dict[tuple, list] = {}
@@ -41,11 +48,16 @@ def summary_key(kv_cache: torch.Tensor) -> tuple:
     return (str(kv_cache.device), kv_cache.data_ptr(), tuple(kv_cache.shape))
 
 
-def _storage(num_slots: int, summary_dtype: str) -> tuple[torch.dtype, int]:
-    """(torch dtype, rows per (page, KV head)): the backend's ``summary_storage``."""
-    from vllm.v1.attention.backends.moira import summary_storage
-
-    return summary_storage(num_slots, summary_dtype)
+def summary_storage(num_slots: int, summary_dtype: str) -> tuple[torch.dtype, int]:
+    """(torch dtype, rows of D elements per (page, KV head)) of a summary tensor of
+    ``num_slots`` slots stored as ``summary_dtype``: the slots, plus, for int8, the
+    row that holds their fp32 scales."""
+    if summary_dtype not in _SUMMARY_STORAGE:
+        raise ValueError(
+            f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES}, got {summary_dtype!r}"
+        )
+    dtype, extra_rows = _SUMMARY_STORAGE[summary_dtype]
+    return dtype, num_slots + extra_rows
 
 
 def summary_shape(
@@ -53,14 +65,14 @@ def summary_shape(
 ) -> tuple[int, int, int, int]:
     """``[num_blocks, H_kv, rows, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view:
     rows = ``num_slots`` (bf16), ``num_slots + 1`` (int8: values, then the scales)."""
-    if kv_cache.dim() != 4 or kv_cache.shape[2] != PAGE_SIZE:
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != MOIRA_PAGE_SIZE:
         raise ValueError(
             "Moira: expected a KV cache view [num_blocks, num_kv_heads, 64, "
             f"2 * head_size], got shape {tuple(kv_cache.shape)}; the kernel "
             "block size must be 64"
         )
     num_blocks, num_kv_heads, _, width = kv_cache.shape
-    _, rows = _storage(num_slots, summary_dtype)
+    _, rows = summary_storage(num_slots, summary_dtype)
     if rows > num_slots and 4 * num_slots > width // 2:
         raise ValueError(
             f"Moira: int8 summaries of {num_slots} slots need head_size >= {4 * num_slots} "
@@ -81,7 +93,7 @@ def acquire_summaries(
     """
     key = summary_key(kv_cache)
     shape = summary_shape(kv_cache, num_slots, summary_dtype)
-    dtype, _ = _storage(num_slots, summary_dtype)
+    dtype, _ = summary_storage(num_slots, summary_dtype)
     entry = _REGISTRY.get(key)
     if entry is not None and (tuple(entry[0].shape) != shape or entry[0].dtype != dtype):
         raise ValueError(
@@ -123,41 +135,5 @@ def summary_bytes_for_kv_bytes(
     hold ``num_slots + 1`` rows of D bytes: ``(num_slots + 1) / 256`` of the KV
     bytes (7/256 for mvar_top4).
     """
-    dtype, rows = _storage(num_slots, summary_dtype)
-    return -(-kv_cache_bytes * rows * dtype.itemsize // (4 * PAGE_SIZE))
-
-
-def workspace_bytes(vllm_config, num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
-    """Bytes of the builder's persistent MoiraWorkspace for this engine.
-
-    Computed by building the workspace on the ``meta`` device (shapes only,
-    no memory), so it always matches what MoiraMetadataBuilder allocates.
-    """
-    from vllm.v1.attention.backends.moira import (
-        MOIRA_PAGE_SIZE,
-        MoiraWorkspace,
-        moira_config_from_env,
-        resolve_attend_fill_blocks,
-    )
-
-    max_pages = -(-vllm_config.model_config.max_model_len // MOIRA_PAGE_SIZE)
-    config = moira_config_from_env()
-    # Attend's partials under attend_schedule="pages" follow N_F, which for 0
-    # is the device's SM count: resolve it for this process's GPU, not for
-    # the meta device.
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    )
-    config = dataclasses.replace(
-        config, attend_fill_blocks=resolve_attend_fill_blocks(config, device)
-    )
-    ws = MoiraWorkspace(
-        vllm_config.scheduler_config.max_num_seqs,
-        num_q_heads,
-        num_kv_heads,
-        head_size,
-        max_pages,
-        config,
-        torch.device("meta"),
-    )
-    return int(ws.nbytes())
+    dtype, rows = summary_storage(num_slots, summary_dtype)
+    return -(-kv_cache_bytes * rows * dtype.itemsize // (4 * MOIRA_PAGE_SIZE))

@@ -1,28 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """Moira: sparse decode attention with an adaptive page budget.
 
-Every decode step reads only the KV pages that carry the attention mass, with
-a budget that adapts per (request, layer, KV head, step). Four Triton kernels
-run per layer, all with grids fixed by the batch size so the step replays in
-vLLM's full CUDA graph without any host planning:
+Each decode step reads only the 64-token KV pages that carry the attention
+mass. Four Triton kernels run per layer, on grids fixed by the batch size, so
+the step replays in vLLM's full CUDA graph with no host planning:
 
-1. Estimate: log-mass of every 64-token page from its summary (per-channel
-   mean and variance of its keys, Eq. 2 "mvar"; or the issue-10 estimators
-   "mvar_rem" / "mvar_top{r}", MoiraConfig.estimator); sink and current page
-   exact.
-2. Select: group-mean softmax over the G query heads of a KV head; keep the
-   fewest pages whose share reaches gamma (coverage rule, Eq. 3), found by
-   bisection rather than a sort (Alg. 1). Also a fixed-count mode.
-3. Attend: self-planning split-KV (Alg. 2). Each of the J blocks of a row
-   reads the row's list length from device memory, takes its chunk or exits.
-4. Merge: log-sum-exp combine of the chunks of multi-chunk rows.
+1. Estimate: log-mass of every page from its summary (``MoiraConfig.estimator``);
+   the sink and current pages exactly from their keys.
+2. Select: the fewest pages whose share reaches gamma (coverage rule), by
+   bisection; or a fixed count.
+3. Attend: split-KV over the selected pages; blocks plan their own work from
+   the list lengths in device memory.
+4. Merge: log-sum-exp combine of lists split over several blocks.
 
-Page summaries are written when a page fills: for prefill tokens by
-``write_page_summaries`` after the KV-cache scatter, for decode rows by
-Estimate itself (the program of the page that the new token filled).
+Summaries are written when a page fills: by ``write_page_summaries`` for
+prefill tokens, by Estimate for decode rows. Prefill runs on FA3. Design and
+measurements: docs/design.md; kernel API: docs/kernel-api.md.
 
-Layout of this module: constants and configuration; the kernels, each next to
-its launcher; the decode-step entry points; the vLLM backend.
+Layout: constants and configuration; the kernels stage by stage, each
+launcher after its kernel; the decode step and its workspace; the vLLM
+backend (metadata, builder, backend, impl).
 """
 
 from __future__ import annotations
@@ -56,41 +53,48 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.worker.moira_summaries import (
+    MOIRA_PAGE_SIZE,
+    MOIRA_SUMMARY_DTYPES,
+    acquire_summaries,
+    release_summaries,
+    summary_bytes_for_kv_bytes,
+    summary_key,
+)
+from vllm.v1.worker.moira_summaries import (
+    summary_storage as summary_storage,  # re-exported: the kernel API names it
+)
 
 try:  # Hopper grid dependency control (Triton >= 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - no Triton, or one without it: plain launches
     gdc_launch_dependents = gdc_wait = None
 
+logger = init_logger(__name__)
+
 # ==========================================================================
 # Constants and configuration
 # ==========================================================================
 
-#: Tokens per page. Summaries and kernels are built for exactly this size.
-MOIRA_PAGE_SIZE = 64
 #: Head sizes the kernels are built and tested for.
-MOIRA_SUPPORTED_HEAD_SIZES = (64, 128)
+MOIRA_SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)
 #: Largest GQA group (query heads per KV head) the kernels support.
 MOIRA_MAX_GROUP_SIZE = 16
 MOIRA_SELECTORS = ("coverage", "fixed")
-#: How Attend divides the step's page lists among its blocks
-#: (MoiraConfig.attend_schedule). "lists": the paper's Alg. 2, J blocks per
-#: (row, KV head), each taking one chunk of its own list. "pages": N_F blocks
-#: for the whole step, each taking the same number of pages of the step's
-#: lists laid end to end (a block may finish one list and start the next), so
-#: that uneven lists leave no block with more work than another.
+#: How Attend divides the step's page lists among its blocks. "lists": the
+#: paper's Alg. 2, J blocks per (row, KV head), each taking one chunk of its
+#: list. "pages": N_F blocks for the whole step, each taking the same number
+#: of pages of the lists laid end to end, so uneven lists leave no block with
+#: more work than another.
 MOIRA_ATTEND_SCHEDULES = ("lists", "pages")
-#: What a decode step runs when every row in it is dense
-#: (MoiraConfig.dense_steps; the rows that dense_batch_tokens reads whole).
-#: "moira": Moira's kernels, with Estimate and Select skipping the rows.
-#: "fa3": vLLM's FA3 decode, in FULL CUDA graphs of their own (vLLM patch
-#: 0006), plus the summary writer for the pages the step fills.
+#: What a decode step whose rows are all dense runs. "moira": Moira's kernels,
+#: Estimate and Select skipping the rows. "fa3": vLLM's FA3 decode in FULL
+#: CUDA graphs of its own (vLLM patch 0006), plus the summary writer.
 MOIRA_DENSE_STEPS = ("moira", "fa3")
-#: Page-mass estimators (issue 10, docs/estimator.md) -> r, the keys stored
-#: exactly per page and KV head. "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2
-#: with the REM spread term (same 2-slot summary); "mvar_top{r}": the r keys
-#: farthest from the page mean stored exactly, the other 64 - r summarized by
-#: their mean and variance (REM spread term), summary of 2 + r slots.
+#: Page-mass estimator -> r, the keys stored exactly per page and KV head
+#: (docs/estimator.md). "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2 with the
+#: random-energy-model spread term; "mvar_top{r}": the r keys farthest from
+#: the page mean stored exactly, the rest summarized as for mvar_rem.
 MOIRA_ESTIMATOR_NUM_TOP = {
     "mvar": 0,
     "mvar_rem": 0,
@@ -99,135 +103,76 @@ MOIRA_ESTIMATOR_NUM_TOP = {
     "mvar_top8": 8,
 }
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
-#: Estimator used when MOIRA_ESTIMATOR is unset (one-line switch).
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
-#: How page summaries are stored (MOIRA_SUMMARY_DTYPE). "bfloat16": each slot
-#: vector as D bf16 values (the paper's summary). "int8": D int8 values and one
-#: fp32 scale per slot vector (absmax / 127), the scales in one extra row of D
-#: bytes after the slots: about half the memory and the bytes Estimate reads
-#: (not half its time: docs/estimator.md, "int8 summaries").
-#: summary dtype -> (torch dtype, extra rows per (page, KV head) for the scales).
-_SUMMARY_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
-MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
-#: Summary storage when MOIRA_SUMMARY_DTYPE is unset. int8 with the default
-#: estimator: docs/estimator.md, "The default".
+#: int8 summaries: half the memory of bf16 at the same accuracy (docs/estimator.md).
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 
-# Estimate's launch configuration: pages per summary program (the paper's
-# App. A uses 64), warps, and the software-pipeline depth of the stored-key
-# loop. benchmarks/moira_correctness.py --sweep-estimate-select measures
-# alternatives; 32 pages on 2 warps with 3 stages was the fastest or within 3%
-# of it for mvar_top4 (bf16, int8) and int8 mvar_top8 at 4x131072 and 32x8192
-# (docs/benchmarks.md, "Estimate's stored-key loop" and "Where Estimate and
-# Select stall"; several tiles per program in one pipelined loop was slower
-# and was removed), then the register cap below took 12% off.
+# Launch configurations. Each value is the fastest measured on the H200
+# (docs/design.md); benchmarks/moira_correctness.py sweeps the alternatives
+# by changing these dicts in place.
 ESTIMATE_LAUNCH: dict[str, Any] = {
-    # Pages per summary program, or "auto" (_estimate_tile_pages): 32, and 64
-    # for estimators without stored keys (mvar, mvar_rem) on int8 summaries,
-    # whose two slots per page leave a 32-page program little to do besides
-    # its fixed work (q, its int8 digits, the block ids). Int8 mvar on the
-    # H200, one run, us at 4x131072 / 32x8192: 32 pages (byte permutes)
-    # 9.70 / 8.20, 64 pages with int8 digits 8.63 / 7.24 (64 with byte
-    # permutes 9.42 / 7.73; 4 warps were 8.10 / 7.53, and 8.01 / 7.73 against
-    # 8.58 / 7.28 on 2 in a later run: a trade between the shapes, so 2 stay;
-    # the writer follows these warps and its bits held on both since the flat
-    # key load of _summarize_page): docs/benchmarks.md, "A tile size per
-    # estimator" and "Select with geometric passes and an exact finish".
+    # Pages per summary program, or "auto" (_estimate_tile_pages).
     "tile_pages": "auto",
     "num_warps": 2,
+    # Software-pipeline depth of the stored-key loop.
     "key_stages": 3,
-    # How int8 slots meet q: "prmt", in fp16 converted by byte permutes
-    # (_int8_to_fp16; plain casts under the interpreter), "bf16", in bf16
-    # converted by integer arithmetic (_int8_to_bf16, the earlier path),
-    # "imma", as stored, on the int8 tensor cores against q cut into int8
-    # digits (_int8_digits: no conversion of the slots at all), or "auto":
-    # "imma" for estimators with stored keys and for tiles of 64 pages or
-    # more, else "prmt". Measured on the H200 (prmt -> imma in one run,
-    # 4x131072 / 32x8192, us): int8 mvar_top8's Estimate 33.7 -> 28.5 and
-    # 20.3 -> 16.2, mvar_top4's 24.9 -> 20.8 and 14.5 -> 12.1, but mvar's on
-    # 32-page tiles 9.7 -> 10.8 and 8.2 -> 8.7 (two slots convert cheaply, and
-    # each program cuts q and (s q)^2 into digits once: 64 pages share that
-    # cost, see tile_pages): docs/benchmarks.md, "Estimate's int8 slots on
-    # the int8 tensor cores".
+    # How int8 slots meet q: "imma" (int8 tensor cores against q's int8
+    # digits), "prmt" (fp16 by byte permutes), or "auto" (_int8_convert_mode).
+    # "bf16" (integer-arithmetic conversion) is kept as an ablation.
     "int8_convert": "auto",
-    # Register cap per thread for ptxas (None: its own choice). Estimate's
-    # occupancy is limited by registers (Nsight Compute: 6 programs of 2 warps
-    # per SM at 142 registers); at 128, 8 fit (the offline sm_90 compile spills
-    # one value). Int8 mvar_top8 at 4x131072: 40.8 -> 35.9 us (112: 36.9, 96:
-    # 43.5): docs/benchmarks.md, "Where Estimate and Select stall". Int8 mvar
-    # on its 64-page tiles takes 161 registers uncapped; lower caps that fit
-    # all its programs at 4x131072 in one wave (112-88) were 0.07-0.26 us
-    # slower than 128 there: docs/benchmarks.md, "Estimate's register cap and
-    # tile for mvar".
+    # Register cap per thread (None: ptxas's choice): 8 programs per SM
+    # instead of 6.
     "maxnreg": 128,
 }
-# The summary writer's launch: tokens of the slot mapping per program. A
-# window of 64 tokens of one request holds one page end, so 64 gives about
-# one program per page to summarize; a window where several requests' slices
-# meet summarizes its pages one after another. window_tokens = 1 is one
-# program per token (writer_warps.py --windows compares them).
+# Tokens of the slot mapping per writer program: a 64-token window of one
+# request holds one page end, so about one program per page to summarize.
 WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
+# Select on rows that fit one register tile of more than
+# _SELECT_SHORT_TILE_PAGES pages: K_B = long_lanes thresholds tested per
+# bisection pass in one 2D reduction (1: one reduction per threshold).
+SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
+# Attend (paper App. A: 4 warps, 3 stages; maxnreg None: ptxas's choice).
+ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
+# attend_schedule="pages": the register cap that fits 3 blocks per SM (the
+# N_F that ATTEND_BLOCKS_PER_SM counts on) with no spills.
+ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
+# Attend blocks resident per SM at ATTEND_LAUNCH on the H200; N_F = 0 aims a
+# small step at this many blocks per SM, one full wave.
+ATTEND_BLOCKS_PER_SM = 3
+# Programmatic dependent launch (Hopper): each decode-step kernel may be
+# scheduled while the previous one finishes, and waits (gdc_wait) for its
+# memory first; same outputs, bit for bit, as plain launches. early_trigger
+# (schedule the next kernel once all blocks have started) is an ablation for
+# moira_correctness.py --step-launches.
+DECODE_LAUNCH: dict[str, Any] = {"pdl": True, "early_trigger": False}
+
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
 _SELECT_SHORT_TILE_PAGES = 256
-# Select's launch configuration for rows that fit one register tile of more
-# than _SELECT_SHORT_TILE_PAGES pages. lanes = K_B thresholds tested per
-# bisection pass in one 2D reduction (24 / log2 K_B passes: every K_B ends on
-# the same 2^-24 grid of the search interval, so the threshold is the same);
-# lanes = 1 is Alg. 1's one reduction per threshold (K_B = 4 / 2).
-# benchmarks/moira_correctness.py --sweep-estimate-select measures these: with
-# the pass's invariant masks hoisted, 8 lanes on 16 warps took 11.4-11.6 us
-# at 4x131072 against 12.7-12.9 for the earlier 4 on 8 (five sweeps in two
-# calls; docs/benchmarks.md, "Select's bisection pass, and Attend's launch and
-# split constants").
-SELECT_LAUNCH = {"long_lanes": 8, "long_num_warps": 16}
 # Largest tile of list lengths that attend_schedule="pages" scans at once.
 _ATTEND_MAX_LISTS_TILE = 1024
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
 _MIN_DOT_ROWS = 16
-# Attend's launch configuration (paper App. A: 4 warps, 3 pipeline stages);
-# benchmarks/moira_correctness.py --sweep-attend measures alternatives.
-# maxnreg: register cap per thread (None: ptxas's choice). Nsight Compute
-# found Attend at 3 blocks per SM, limited by its registers (148) and shared
-# memory alike; a cap of 128 (4 blocks) measured 12% faster at 32x8192 and 18%
-# slower at 4x131072 (docs/benchmarks.md, same section as Select's launch), so
-# ptxas keeps its choice. Two pages per loop step (twice the bytes in flight
-# per block) was no faster and is not in the tree.
-ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
-# attend_schedule="pages": Attend's register cap (its warps and stages are
-# ATTEND_LAUNCH's). Compiled for sm_90 (kernel_resources.py, Triton 3.6), the
-# kernel takes 226 registers on its own, so 2 blocks per SM, not the 3 that
-# N_F = 396 counts on; at 168, 3 fit with no spills.
-ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
-# Attend blocks resident per SM at ATTEND_LAUNCH (Nsight Compute, H200: 3,
-# limited by registers and shared memory alike); attend_fill_blocks = 0 aims
-# a small step at this many blocks per SM, one full wave. Measured against
-# N_F = 512 (1.3 waves at batch 1): the batch-1 dense-row step 13-16% faster
-# at 16k-64k tokens, fixed count at 32x8192 7% faster (docs/benchmarks.md,
-# "Launch gaps, and one wave for small steps").
-ATTEND_BLOCKS_PER_SM = 3
 # SMs assumed off the GPU (CPU tests): an H100 / H200 SXM.
 _DEFAULT_SM_COUNT = 132
-# Programmatic dependent launch (Hopper): each decode-step kernel is launched
-# so that its blocks may be scheduled while the kernel before it finishes;
-# every such kernel first waits (gdc_wait) for the previous kernel's memory.
-# Between kernels of a few microseconds (batch 1, Select's 32 programs) the
-# launch gap is a large part of the step: 1.5-2 us off a batch-1 step, 1-3 us
-# at 4x131072 and 32x8192 (docs/benchmarks.md, "Launch gaps, and one wave for
-# small steps"). Outputs are bit-for-bit those of plain launches.
-# pdl=False launches every kernel after the previous one has completed.
-# early_trigger: a kernel lets the next one be scheduled as soon as all of
-# its blocks have started (gdc_launch_dependents) instead of as they exit;
-# measured no faster at batch 1 and up to 7 us slower at 32x8192.
-DECODE_LAUNCH: dict[str, Any] = {"pdl": True, "early_trigger": False}
+
+#: The paper's algorithm (§3.3): Alg. 2's chunks per list, no dense rows,
+#: Moira's kernels on every step. ``MoiraConfig.paper()``; the kernel tests
+#: and benchmarks/moira_correctness.py use it.
+MOIRA_PAPER_SETTINGS: dict[str, Any] = {
+    "attend_schedule": "lists",
+    "dense_batch_tokens": 0,
+    "dense_steps": "moira",
+}
 
 
 @dataclass(frozen=True)
 class MoiraConfig:
-    """Knobs of the Moira decode step (paper §3; defaults from §3.3)."""
+    """Knobs of the Moira decode step. The defaults are what the backend
+    serves; ``MoiraConfig.paper()`` is the paper's algorithm (§3.3)."""
 
     #: Coverage: keep the fewest pages whose estimated share reaches gamma.
     gamma: float = 0.98
@@ -238,110 +183,116 @@ class MoiraConfig:
     fixed_pages: int | None = None
     #: Or, for ``selector="fixed"``, K = ceil(fixed_fraction * pages of the row).
     fixed_fraction: float | None = None
-    #: C: fewest pages per Attend chunk (a short row needs one block).
+    #: C: fewest pages per Attend chunk (attend_schedule="lists").
     min_chunk_pages: int = 24
-    #: N_J: fewest Attend blocks per row.
+    #: N_J: fewest Attend blocks per row (attend_schedule="lists").
     min_splits_per_row: int = 32
-    #: N_T: fewest Attend blocks per grid (so a few long rows fill the GPU).
+    #: N_T: fewest Attend blocks per grid (attend_schedule="lists").
     min_splits_total: int = 4096
-    #: N_F: working Attend blocks a grid aims for before chunks grow to C.
-    #: A chunk is max(ceil(n / J), min(C, ceil(P / N_F))) pages, P the pages
-    #: in all lists of the step: Eq. 4 when the step has enough pages
-    #: (P >= C * N_F), and smaller chunks when it has not (batch 1, short
-    #: rows), where C pages in one block would be a serial chain of page
-    #: reads. 1 = Eq. 4 exactly. 0 = the blocks the device holds at once
-    #: (ATTEND_BLOCKS_PER_SM per SM: 396 on an H200), so that a small step's
-    #: blocks run as one wave (MoiraWorkspace.attend_fill_blocks).
+    #: N_F: working Attend blocks a step aims for. "pages": the blocks of the
+    #: step; "lists": a chunk is max(ceil(n / J), min(C, ceil(P / N_F))) pages,
+    #: P the pages in all lists of the step (1 = Eq. 4 exactly). 0 = the
+    #: blocks the device holds at once (resolve_attend_fill_blocks).
     attend_fill_blocks: int = 0
-    #: Attend's division of the lists among blocks (one of
-    #: MOIRA_ATTEND_SCHEDULES): "lists" = Alg. 2 with the chunk rule above;
-    #: "pages" = N_F blocks of ceil(P / N_F) pages each across all the step's
-    #: lists (C, N_J and N_T unused).
-    attend_schedule: str = "lists"
+    #: One of MOIRA_ATTEND_SCHEDULES. "pages" is flat in the spread of list
+    #: lengths and a few percent faster than "lists" (docs/design.md).
+    attend_schedule: str = "pages"
     #: Rows with (context tokens) x (decode rows in the batch) at or below
-    #: this read every page: Estimate and Select skip them (their cost is a
-    #: fixed latency that reading a small batch's few pages does not repay).
-    #: Decided per row on the GPU from the row's length and the batch size;
-    #: 0 = off (every row goes through Estimate and Select).
-    dense_batch_tokens: int = 0
-    #: A decode step whose rows are all dense (above) runs Moira's kernels
-    #: ("moira") or FA3's ("fa3", the serving backend's default; one of
-    #: MOIRA_DENSE_STEPS). Those rows read every page either way, so the
-    #: output is dense attention either way; "fa3" only drops the fixed cost
-    #: of Moira's four launches per layer. Decided per step on the host, from
-    #: the rows' lengths, where vLLM picks the CUDA graph (V2 runner).
-    dense_steps: str = "moira"
-    #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary layout
-    #: (``summary_slots``) when the KV cache is allocated.
+    #: this read every page, skipping Estimate and Select, whose fixed latency
+    #: a small batch's few pages do not repay (docs/design.md). Decided per
+    #: row on the GPU; 0 = off.
+    dense_batch_tokens: int = 36864
+    #: One of MOIRA_DENSE_STEPS: what a step whose rows are all dense runs.
+    #: Either way those rows read every page; "fa3" drops the fixed cost of
+    #: Moira's launches. Decided per step on the host (V2 runner).
+    dense_steps: str = "fa3"
+    #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary
+    #: layout (``summary_slots``) when the KV cache is allocated.
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
-    #: Storage of the summaries (one of MOIRA_SUMMARY_DTYPES); fixes their
-    #: dtype and shape when the KV cache is allocated, like the estimator.
+    #: Storage of the summaries (one of MOIRA_SUMMARY_DTYPES); fixed when the
+    #: KV cache is allocated, like the estimator.
     summary_dtype: str = MOIRA_DEFAULT_SUMMARY_DTYPE
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the option and its allowed values."""
+    @classmethod
+    def paper(cls, **changes: Any) -> MoiraConfig:
+        """The paper's algorithm (MOIRA_PAPER_SETTINGS), with ``changes``."""
+        return cls(**{**MOIRA_PAPER_SETTINGS, **changes})
+
+    def validate(self, names: Mapping[str, str] | None = None) -> None:
+        """Raise ``ValueError`` naming the option and its allowed values.
+        ``names`` maps fields to the names the user gave them (the MOIRA_*
+        variables, for moira_config_from_env); other fields are named as is."""
+        names = names or {}
+
+        def n(field: str) -> str:
+            return names.get(field, field)
+
         if not isinstance(self.gamma, (int, float)) or not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"Moira: gamma must be in (0, 1] (default 0.98), got {self.gamma!r}")
+            raise ValueError(
+                f"Moira: {n('gamma')} must be in (0, 1] (default 0.98), got {self.gamma!r}"
+            )
         if self.selector not in MOIRA_SELECTORS:
             raise ValueError(
-                f"Moira: selector must be one of {MOIRA_SELECTORS}, got {self.selector!r}"
+                f"Moira: {n('selector')} must be one of {MOIRA_SELECTORS}, got {self.selector!r}"
             )
         if self.selector == "fixed":
             if (self.fixed_pages is None) == (self.fixed_fraction is None):
                 raise ValueError(
-                    "Moira: selector='fixed' needs exactly one of fixed_pages (an integer "
-                    ">= 1, pages kept per row and KV head) or fixed_fraction (in (0, 1]), "
-                    f"got fixed_pages={self.fixed_pages!r}, "
-                    f"fixed_fraction={self.fixed_fraction!r}"
+                    f"Moira: {n('selector')}='fixed' needs exactly one of {n('fixed_pages')} "
+                    f"(an integer >= 1, pages kept per row and KV head) or "
+                    f"{n('fixed_fraction')} (in (0, 1]), got {n('fixed_pages')}="
+                    f"{self.fixed_pages!r}, {n('fixed_fraction')}={self.fixed_fraction!r}"
                 )
             if self.fixed_pages is not None and (
                 not isinstance(self.fixed_pages, int) or self.fixed_pages < 1
             ):
                 raise ValueError(
-                    "Moira: selector='fixed' needs fixed_pages, an integer >= 1 "
+                    f"Moira: {n('selector')}='fixed' needs {n('fixed_pages')}, an integer >= 1 "
                     f"(pages kept per row and KV head), got {self.fixed_pages!r}"
                 )
             if self.fixed_fraction is not None and not 0.0 < self.fixed_fraction <= 1.0:
                 raise ValueError(
-                    f"Moira: fixed_fraction must be in (0, 1], got {self.fixed_fraction!r}"
+                    f"Moira: {n('fixed_fraction')} must be in (0, 1], got {self.fixed_fraction!r}"
                 )
         elif self.fixed_pages is not None or self.fixed_fraction is not None:
             raise ValueError(
-                "Moira: fixed_pages / fixed_fraction are only used with selector='fixed', "
-                f"got fixed_pages={self.fixed_pages!r}, fixed_fraction="
-                f"{self.fixed_fraction!r} with selector={self.selector!r}"
+                f"Moira: {n('fixed_pages')} / {n('fixed_fraction')} are only used with "
+                f"{n('selector')}='fixed', got {n('fixed_pages')}={self.fixed_pages!r}, "
+                f"{n('fixed_fraction')}={self.fixed_fraction!r} with "
+                f"{n('selector')}={self.selector!r}"
             )
-        for name in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
-            value = getattr(self, name)
+        for field in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
+            value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Moira: {name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"Moira: {n(field)} must be an integer >= 1, got {value!r}")
         if not isinstance(self.attend_fill_blocks, int) or self.attend_fill_blocks < 0:
             raise ValueError(
-                "Moira: attend_fill_blocks must be an integer >= 0 (0 = the blocks the "
-                f"GPU holds at once), got {self.attend_fill_blocks!r}"
+                f"Moira: {n('attend_fill_blocks')} must be an integer >= 0 (0 = the blocks "
+                f"the GPU holds at once), got {self.attend_fill_blocks!r}"
             )
         if self.attend_schedule not in MOIRA_ATTEND_SCHEDULES:
             raise ValueError(
-                f"Moira: attend_schedule must be one of {MOIRA_ATTEND_SCHEDULES}, "
+                f"Moira: {n('attend_schedule')} must be one of {MOIRA_ATTEND_SCHEDULES}, "
                 f"got {self.attend_schedule!r}"
             )
         if not isinstance(self.dense_batch_tokens, int) or self.dense_batch_tokens < 0:
             raise ValueError(
-                "Moira: dense_batch_tokens must be an integer >= 0 (0 = off), "
+                f"Moira: {n('dense_batch_tokens')} must be an integer >= 0 (0 = off), "
                 f"got {self.dense_batch_tokens!r}"
             )
         if self.dense_steps not in MOIRA_DENSE_STEPS:
             raise ValueError(
-                f"Moira: dense_steps must be one of {MOIRA_DENSE_STEPS}, got {self.dense_steps!r}"
+                f"Moira: {n('dense_steps')} must be one of {MOIRA_DENSE_STEPS}, "
+                f"got {self.dense_steps!r}"
             )
         if self.estimator not in MOIRA_ESTIMATORS:
             raise ValueError(
-                f"Moira: estimator must be one of {MOIRA_ESTIMATORS} "
+                f"Moira: {n('estimator')} must be one of {MOIRA_ESTIMATORS} "
                 f"(default {MOIRA_DEFAULT_ESTIMATOR!r}), got {self.estimator!r}"
             )
         if self.summary_dtype not in MOIRA_SUMMARY_DTYPES:
             raise ValueError(
-                f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES} "
+                f"Moira: {n('summary_dtype')} must be one of {MOIRA_SUMMARY_DTYPES} "
                 f"(default {MOIRA_DEFAULT_SUMMARY_DTYPE!r}), got {self.summary_dtype!r}"
             )
 
@@ -378,16 +329,62 @@ def summary_slots(estimator: str) -> int:
     return 2 + estimator_num_top(estimator)
 
 
-def summary_storage(num_slots: int, summary_dtype: str) -> tuple[torch.dtype, int]:
-    """(torch dtype, rows of D elements per (page, KV head)) of a summary tensor of
-    ``num_slots`` slots stored as ``summary_dtype``: the slots, plus, for int8, the
-    row that holds their fp32 scales."""
-    if summary_dtype not in _SUMMARY_STORAGE:
+# MOIRA_* environment variable -> (MoiraConfig field, type). Environment
+# variables reach every process vLLM starts (API server, engine core,
+# workers) without changes to vLLM's config classes, and vLLM's check of
+# VLLM_* names leaves them alone.
+_MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "MOIRA_GAMMA": ("gamma", float),
+    "MOIRA_SELECTOR": ("selector", str),
+    "MOIRA_FIXED_PAGES": ("fixed_pages", int),
+    "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
+    "MOIRA_MIN_CHUNK_PAGES": ("min_chunk_pages", int),
+    "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
+    "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
+    "MOIRA_ESTIMATOR": ("estimator", str),
+    "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
+    "MOIRA_ATTEND_SCHEDULE": ("attend_schedule", str),
+    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
+    "MOIRA_DENSE_STEPS": ("dense_steps", str),
+    "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
+}
+
+
+def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
+    """Build and validate the MoiraConfig from MOIRA_* environment variables.
+
+    Unset variables keep MoiraConfig's defaults. Errors name the variable and
+    its allowed values. Near-misses of a variable's name (e.g. MOIRA_GAMA)
+    are rejected, so a typo cannot silently run with the default.
+    """
+    environ = os.environ if environ is None else environ
+    # Other MOIRA_* names belong to the project's tooling (MOIRA_VENV,
+    # MOIRA_TEST_GPU, ...); only near-misses of a knob are typos.
+    unknown = sorted(
+        k
+        for k in environ
+        if k.startswith("MOIRA_")
+        and k not in _MOIRA_ENV_FIELDS
+        and difflib.get_close_matches(k, _MOIRA_ENV_FIELDS, n=1, cutoff=0.85)
+    )
+    if unknown:
         raise ValueError(
-            f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES}, got {summary_dtype!r}"
+            f"Moira: unknown environment variable(s) {unknown}; "
+            f"supported: {sorted(_MOIRA_ENV_FIELDS)}"
         )
-    dtype, extra_rows = _SUMMARY_STORAGE[summary_dtype]
-    return dtype, num_slots + extra_rows
+    kwargs: dict[str, Any] = {}
+    for env_name, (field_name, kind) in _MOIRA_ENV_FIELDS.items():
+        raw = environ.get(env_name)
+        if raw is None or raw.strip() == "":
+            continue
+        raw = raw.strip()
+        try:
+            kwargs[field_name] = kind(raw.lower() if kind is str else raw)
+        except ValueError:
+            raise ValueError(f"Moira: {env_name}={raw!r} is not a valid {kind.__name__}") from None
+    config = MoiraConfig(**kwargs)
+    config.validate({field: env for env, (field, _) in _MOIRA_ENV_FIELDS.items()})
+    return config
 
 
 def _summary_layout(summaries: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -1935,11 +1932,11 @@ def kernel_moira_attend_pages(
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
     page_count_ptr,  # [max_rows, num_kv_heads] int32
     list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    list_start_ptr,  # [max_rows * num_kv_heads] int32 (out): each list's first step position
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, lists of one part)
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32 (out)
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32 (out)
     scale,
+    list_start_ptr,  # [max_rows * num_kv_heads] int32 (out): each list's first step position
     num_kv_heads,
     num_lists,
     num_blocks,
@@ -2028,10 +2025,10 @@ def kernel_moira_attend_pages(
 def kernel_moira_merge_pages(
     page_count_ptr,  # [max_rows, num_kv_heads] int32
     list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    list_start_ptr,  # [max_rows * num_kv_heads] int32: each list's first step position
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
+    list_start_ptr,  # [max_rows * num_kv_heads] int32: each list's first step position
     num_blocks,
     stride_pc_row: tl.int64,
     stride_o_row: tl.int64,
@@ -2115,62 +2112,6 @@ _LIVE_WORKSPACES: weakref.WeakSet[MoiraWorkspace] = weakref.WeakSet()
 def live_workspaces() -> list[MoiraWorkspace]:
     """The MoiraWorkspaces allocated in this process (one per metadata builder)."""
     return list(_LIVE_WORKSPACES)
-
-
-# Worker-side controls for ``LLM.collective_rpc``: with tensor parallelism (or
-# vLLM's multiprocess engine) the workspaces live in the worker processes, so
-# benchmarks and operators reach them through an RPC that runs on every rank.
-# Module-level functions, so they pickle by reference; the first argument is
-# the vLLM worker (unused).
-def rpc_set_selector(_worker: object, **changes: Any) -> int:
-    """``llm.collective_rpc(rpc_set_selector, kwargs={"gamma": 0.9})``: apply
-    ``dataclasses.replace(config, **changes)`` on every live workspace of the
-    rank (between steps; same rules as ``MoiraWorkspace.set_selector``).
-    Returns the number of workspaces changed."""
-    workspaces = live_workspaces()
-    for ws in workspaces:
-        ws.set_selector(dataclasses.replace(ws.config, **changes))
-    if any(ws.selector_params.is_cuda for ws in workspaces):
-        torch.cuda.synchronize()
-    return len(workspaces)
-
-
-def rpc_read_stats(_worker: object, reset: bool = False) -> list[int]:
-    """``llm.collective_rpc(rpc_read_stats)``: [pages kept, pages in the rows]
-    summed over the rank's workspaces since they were last reset (a host sync:
-    call it between steps). ``reset=True`` zeroes the counters after reading."""
-    kept = total = 0
-    workspaces = live_workspaces()
-    if any(ws.read_stats.is_cuda for ws in workspaces):
-        torch.cuda.synchronize()
-    for ws in workspaces:
-        ws_kept, ws_total = ws.read_counts()
-        kept += ws_kept
-        total += ws_total
-        if reset:
-            ws.reset_read_counts()
-    return [kept, total]
-
-
-def rpc_check_summaries(worker: Any) -> dict[str, int]:
-    """``llm.collective_rpc(rpc_check_summaries)``: ``verify_page_summaries``
-    over every Moira layer of the rank that writes its own summaries (not
-    KV-sharing ones), summed: {"layers", "pages", "mismatched",
-    "beyond_rounding"}. A host sync; call it between steps."""
-    context = worker.vllm_config.compilation_config.static_forward_context
-    out = {"layers": 0, "pages": 0, "mismatched": 0, "beyond_rounding": 0}
-    for layer in context.values():
-        impl = getattr(layer, "impl", None)
-        if not isinstance(impl, MoiraImpl) or impl.kv_sharing_target_layer_name is not None:
-            continue
-        kv_cache = layer.kv_cache
-        if impl._summaries is None or kv_cache.numel() == 0:
-            continue
-        found = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache))
-        out["layers"] += 1
-        for key, count in found.items():
-            out[key] += count
-    return out
 
 
 class MoiraWorkspace:
@@ -2321,6 +2262,34 @@ class MoiraWorkspace:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def moira_workspace_bytes(
+    vllm_config: VllmConfig, num_q_heads: int, num_kv_heads: int, head_size: int
+) -> int:
+    """Bytes of the builder's persistent MoiraWorkspace for this engine, built
+    on the ``meta`` device (shapes only), so it matches what
+    MoiraMetadataBuilder allocates."""
+    max_pages = cdiv(vllm_config.model_config.max_model_len, MOIRA_PAGE_SIZE)
+    config = moira_config_from_env()
+    # Under attend_schedule="pages" the partials follow N_F, which for 0 is
+    # this process's GPU's: resolve it here, not on the meta device.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    )
+    config = dataclasses.replace(
+        config, attend_fill_blocks=resolve_attend_fill_blocks(config, device)
+    )
+    ws = MoiraWorkspace(
+        vllm_config.scheduler_config.max_num_seqs,
+        num_q_heads,
+        num_kv_heads,
+        head_size,
+        max_pages,
+        config,
+        torch.device("meta"),
+    )
+    return int(ws.nbytes())
+
+
 def attend(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -2358,66 +2327,42 @@ def attend(
         list_pages = workspace.list_pages
         torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
                   out=list_pages[0])  # fmt: skip
+    attend_args, attend_strides, attend_keywords = _attend_arguments(
+        query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
+        workspace, scale,
+    )  # fmt: skip
+    merge_args, merge_strides, merge_keywords = _merge_arguments(
+        page_count, list_pages, output, workspace, num_kv_heads
+    )
     if config.attend_schedule == "pages":
-        _attend_even_pages(query, kv_cache, block_table, seq_lens, page_list, page_count,
-                           list_pages, output, workspace, scale)  # fmt: skip
+        # N_F blocks share the step's pages evenly; Merge combines the lists
+        # that span several blocks.
+        num_lists = num_rows * num_kv_heads
+        num_blocks = workspace.attend_fill_blocks
+        # A few tile sizes (so a few compiled variants) cover every batch; the
+        # scan over the step's list lengths loops over tiles beyond 1024 lists.
+        lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
+        kernel_moira_attend_pages[(num_blocks,)](
+            *attend_args, workspace.list_start, num_kv_heads, num_lists, num_blocks,
+            *attend_strides, LISTS_TILE=lists_tile, **attend_keywords,
+            **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
+        )  # fmt: skip
+        kernel_moira_merge_pages[(num_rows, num_q_heads)](
+            *merge_args, workspace.list_start, num_blocks, *merge_strides, **merge_keywords
+        )
         return
-    group_size = num_q_heads // num_kv_heads
     num_splits = config.num_splits(num_rows, num_kv_heads)
-    group_rows = _group_rows(group_size)
+    split_args = (num_splits, config.min_chunk_pages, workspace.attend_fill_blocks)
     kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
-        query,
-        kv_cache,
-        block_table,
-        seq_lens,
-        page_list,
-        page_count,
-        list_pages,
-        output,
-        workspace.partial_out,
-        workspace.partial_lse,
-        scale,
-        num_splits,
-        config.min_chunk_pages,
-        workspace.attend_fill_blocks,
-        *_attend_strides(query, kv_cache, block_table, page_list, page_count, output),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=group_rows,
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        num_warps=ATTEND_LAUNCH["num_warps"],
-        num_stages=ATTEND_LAUNCH["num_stages"],
+        *attend_args, *split_args, *attend_strides, **attend_keywords,
         **_register_cap(ATTEND_LAUNCH["maxnreg"]),
-        **_dependent_launch(),
-    )
+    )  # fmt: skip
     kernel_moira_merge[(num_rows, num_q_heads)](
-        page_count,
-        list_pages,
-        workspace.partial_out,
-        workspace.partial_lse,
-        output,
-        num_splits,
-        config.min_chunk_pages,
-        workspace.attend_fill_blocks,
-        page_count.stride(0),
-        output.stride(0),
-        output.stride(1),
-        GROUP_SIZE=group_size,
-        HEAD_SIZE=head_size,
-        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
-        num_warps=4,
-        **_dependent_launch(),
+        *merge_args, *split_args, *merge_strides, **merge_keywords
     )
 
 
-def _attend_strides(query, kv_cache, block_table, page_list, page_count, output) -> tuple:
-    """The stride arguments of both Attend kernels, in their order."""
-    return (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
-            page_count.stride(0), output.stride(0), output.stride(1))  # fmt: skip
-
-
-def _attend_even_pages(
+def _attend_arguments(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -2428,61 +2373,49 @@ def _attend_even_pages(
     output: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
-) -> None:
-    """attend() under attend_schedule="pages": N_F blocks share the step's
-    pages evenly, then Merge combines the lists that span several blocks."""
-    num_rows, num_q_heads, head_size = query.shape
-    num_kv_heads = kv_cache.shape[1]
-    group_size = num_q_heads // num_kv_heads
-    num_lists = num_rows * num_kv_heads
-    num_blocks = workspace.attend_fill_blocks
-    # A few tile sizes (so a few compiled variants) cover every batch; the
-    # scan over the step's list lengths loops over tiles beyond 1024 lists.
-    lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
-    kernel_moira_attend_pages[(num_blocks,)](
-        query,
-        kv_cache,
-        block_table,
-        seq_lens,
-        page_list,
-        page_count,
-        list_pages,
-        workspace.list_start,
-        output,
-        workspace.partial_out,
-        workspace.partial_lse,
-        scale,
-        num_kv_heads,
-        num_lists,
-        num_blocks,
-        *_attend_strides(query, kv_cache, block_table, page_list, page_count, output),
+) -> tuple[tuple, tuple, dict[str, Any]]:
+    """What both Attend kernels take, in their order: (leading arguments,
+    strides, constexprs and launch options). The schedule's own arguments go
+    between the first two."""
+    num_q_heads, head_size = query.shape[1], query.shape[2]
+    group_size = num_q_heads // kv_cache.shape[1]
+    leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
+               workspace.partial_out, workspace.partial_lse, scale)  # fmt: skip
+    strides = (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+               kv_cache.stride(2), block_table.stride(0), page_list.stride(0),
+               page_list.stride(1), page_count.stride(0), output.stride(0),
+               output.stride(1))  # fmt: skip
+    keywords = dict(
         GROUP_SIZE=group_size,
         GROUP_ROWS=_group_rows(group_size),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        LISTS_TILE=lists_tile,
         num_warps=ATTEND_LAUNCH["num_warps"],
         num_stages=ATTEND_LAUNCH["num_stages"],
-        **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
         **_dependent_launch(),
     )
-    kernel_moira_merge_pages[(num_rows, num_q_heads)](
-        page_count,
-        list_pages,
-        workspace.list_start,
-        workspace.partial_out,
-        workspace.partial_lse,
-        output,
-        num_blocks,
-        page_count.stride(0),
-        output.stride(0),
-        output.stride(1),
-        GROUP_SIZE=group_size,
+    return leading, strides, keywords
+
+
+def _merge_arguments(
+    page_count: torch.Tensor,
+    list_pages: torch.Tensor,
+    output: torch.Tensor,
+    workspace: MoiraWorkspace,
+    num_kv_heads: int,
+) -> tuple[tuple, tuple, dict[str, Any]]:
+    """What both Merge kernels take, in their order, as ``_attend_arguments``."""
+    num_q_heads, head_size = output.shape[1], output.shape[2]
+    leading = (page_count, list_pages, workspace.partial_out, workspace.partial_lse, output)
+    strides = (page_count.stride(0), output.stride(0), output.stride(1))
+    keywords = dict(
+        GROUP_SIZE=num_q_heads // num_kv_heads,
         HEAD_SIZE=head_size,
         TILE_CHUNKS=_MERGE_TILE_CHUNKS,
         num_warps=4,
         **_dependent_launch(),
     )
+    return leading, strides, keywords
 
 
 def estimate_and_select(
@@ -2587,7 +2520,6 @@ def moira_decode(
 # slices and FA3 never sees the decode rows (FA3 writes zeros for rows with
 # nothing to attend to, so it must not be handed zero-length decode rows).
 # ==========================================================================
-logger = init_logger(__name__)
 
 #: The builder reads read_stats back for logs and /metrics every this many
 #: steps (an event query and a D2H copy; the counters are cumulative, so
@@ -2596,88 +2528,6 @@ _READ_STATS_POLL_STEPS = 16
 
 #: SamplingParams.extra_args key of a request's own coverage gamma.
 MOIRA_GAMMA_EXTRA_ARG = "moira_gamma"
-
-#: Head sizes the Moira kernels are built and tested for.
-MOIRA_BACKEND_HEAD_SIZES: tuple[int, ...] = (64, 128)
-
-# --------------------------------------------------------------------------
-# Configuration (MOIRA_* environment variables)
-#
-# Environment variables reach every process vLLM starts (API server, engine
-# core, workers) for both `vllm serve` and `LLM(...)`, and need no change to
-# vLLM's config classes. They are not VLLM_* names, so vLLM's unknown-variable
-# check leaves them alone. Every knob is read and validated once, when the
-# backend is selected, and a malformed value is an error, never a default.
-# --------------------------------------------------------------------------
-_MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
-    "MOIRA_GAMMA": ("gamma", float),
-    "MOIRA_SELECTOR": ("selector", str),
-    "MOIRA_FIXED_PAGES": ("fixed_pages", int),
-    "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
-    "MOIRA_MIN_CHUNK_PAGES": ("min_chunk_pages", int),
-    "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
-    "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
-    "MOIRA_ESTIMATOR": ("estimator", str),
-    "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
-    "MOIRA_ATTEND_SCHEDULE": ("attend_schedule", str),
-    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
-    "MOIRA_DENSE_STEPS": ("dense_steps", str),
-    "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
-}
-
-
-#: Defaults of the serving backend that differ from MoiraConfig's (the kernel
-#: API's defaults are the paper's algorithm), both measured on the H200
-#: (docs/benchmarks.md): rows of small decode batches are read whole (at
-#: batch 1 and 32k tokens the Estimate + Select latency costs more than the
-#: pages it saves, at 44k it does not: 36k), steps whose rows are all dense
-#: run FA3 ("fa3": what those rows compute anyway, without Moira's per-layer
-#: launches), and Attend shares the step's pages evenly among its blocks
-#: ("pages": flat in the spread of list lengths, and 3-6% off TPOT at 8k x32
-#: and 130k x4 against Alg. 2's chunks per list).
-MOIRA_BACKEND_DEFAULTS: dict[str, Any] = {
-    "dense_batch_tokens": 36864,
-    "attend_schedule": "pages",
-    "dense_steps": "fa3",
-}
-
-
-def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
-    """Build and validate the MoiraConfig from MOIRA_* environment variables.
-
-    Unset variables keep the paper's defaults (gamma 0.98, coverage selector,
-    C=24, N_J=32, N_T=4096) and MOIRA_BACKEND_DEFAULTS. Unknown MOIRA_* names
-    are rejected so a typo (e.g. MOIRA_GAMA) cannot silently run with the
-    default.
-    """
-    environ = os.environ if environ is None else environ
-    # Other MOIRA_* names belong to the project's tooling (MOIRA_VENV,
-    # MOIRA_TEST_GPU, ...); only near-misses of a knob are typos.
-    unknown = sorted(
-        k
-        for k in environ
-        if k.startswith("MOIRA_")
-        and k not in _MOIRA_ENV_FIELDS
-        and difflib.get_close_matches(k, _MOIRA_ENV_FIELDS, n=1, cutoff=0.85)
-    )
-    if unknown:
-        raise ValueError(
-            f"Moira: unknown environment variable(s) {unknown}; "
-            f"supported: {sorted(_MOIRA_ENV_FIELDS)}"
-        )
-    kwargs: dict[str, Any] = dict(MOIRA_BACKEND_DEFAULTS)
-    for env_name, (field_name, kind) in _MOIRA_ENV_FIELDS.items():
-        raw = environ.get(env_name)
-        if raw is None or raw.strip() == "":
-            continue
-        raw = raw.strip()
-        try:
-            kwargs[field_name] = kind(raw.lower() if kind is str else raw)
-        except ValueError:
-            raise ValueError(f"Moira: {env_name}={raw!r} is not a valid {kind.__name__}") from None
-    config = MoiraConfig(**kwargs)
-    config.validate()
-    return config
 
 
 def _unsupported_vllm_config_reasons(vllm_config: VllmConfig) -> list[str]:
@@ -2817,11 +2667,11 @@ class MoiraBackend(FlashAttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(MOIRA_BACKEND_HEAD_SIZES)
+        return list(MOIRA_SUPPORTED_HEAD_SIZES)
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
-        return head_size in MOIRA_BACKEND_HEAD_SIZES
+        return head_size in MOIRA_SUPPORTED_HEAD_SIZES
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
@@ -2903,7 +2753,7 @@ class MoiraBackend(FlashAttentionBackend):
         if not cls.supports_head_size(head_size):
             r.append(
                 f"head_size={head_size} is not supported by MOIRA; supported "
-                f"head sizes: {list(MOIRA_BACKEND_HEAD_SIZES)}"
+                f"head sizes: {list(MOIRA_SUPPORTED_HEAD_SIZES)}"
             )
         if not cls.supports_dtype(dtype):
             r.append(
@@ -3315,9 +3165,9 @@ class MoiraImpl(FlashAttentionImpl):
                 f"MOIRA needs a bfloat16 KV cache, got kv_cache_dtype="
                 f"{kv_cache_dtype!r}; use 'auto' or 'bfloat16'"
             )
-        if head_size not in MOIRA_BACKEND_HEAD_SIZES:
+        if head_size not in MOIRA_SUPPORTED_HEAD_SIZES:
             raise ValueError(
-                f"MOIRA supports head sizes {list(MOIRA_BACKEND_HEAD_SIZES)}, got {head_size}"
+                f"MOIRA supports head sizes {list(MOIRA_SUPPORTED_HEAD_SIZES)}, got {head_size}"
             )
         check_vllm_config_for_moira(get_current_vllm_config_or_none())
         self.moira_config = moira_config_from_env()
@@ -3339,12 +3189,6 @@ class MoiraImpl(FlashAttentionImpl):
 
     # ---- KV-cache extras hook (patch 0003) --------------------------------
     def bind_kv_cache_extras(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> None:
-        from vllm.v1.worker.moira_summaries import (
-            acquire_summaries,
-            release_summaries,
-            summary_key,
-        )
-
         if self._summaries_key is not None:
             release_summaries(self._summaries_key)
         self._summaries = acquire_summaries(
@@ -3357,16 +3201,12 @@ class MoiraImpl(FlashAttentionImpl):
             warm_up_summary_writer(kv_cache, self._summaries)
 
     def release_kv_cache_extras(self, layer: torch.nn.Module) -> None:
-        from vllm.v1.worker.moira_summaries import release_summaries
-
         if self._summaries_key is not None:
             release_summaries(self._summaries_key)
         self._summaries = None
         self._summaries_key = None
 
     def get_kv_cache_extras_bytes(self, kv_cache_bytes: int) -> int:
-        from vllm.v1.worker.moira_summaries import summary_bytes_for_kv_bytes
-
         if self.kv_sharing_target_layer_name is not None:
             return 0  # shares the target layer's KV view and summaries
         return summary_bytes_for_kv_bytes(
@@ -3374,13 +3214,11 @@ class MoiraImpl(FlashAttentionImpl):
         )
 
     def get_shared_kv_cache_extras_bytes(self) -> dict[str, int]:
-        from vllm.v1.worker.moira_summaries import workspace_bytes
-
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is None:
             return {}
         return {
-            "moira_workspace": workspace_bytes(
+            "moira_workspace": moira_workspace_bytes(
                 vllm_config, self.num_heads, self.num_kv_heads, self.head_size
             )
         }
@@ -3388,12 +3226,6 @@ class MoiraImpl(FlashAttentionImpl):
     def _get_summaries(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Summaries for this KV view. Normally bound by the worker hook; the
         lazy path covers a vLLM without patch 0003 (plugin mode)."""
-        from vllm.v1.worker.moira_summaries import (
-            acquire_summaries,
-            release_summaries,
-            summary_key,
-        )
-
         key = summary_key(kv_cache)
         if self._summaries is not None and self._summaries_key == key:
             return self._summaries
