@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.probes import research_estimators as research
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
 PAGE = ref.PAGE_SIZE
@@ -118,7 +119,7 @@ def estimate_logmass(
     elif ":" in estimator:
         est = _param_estimator(query, summ, scale, estimator)
     else:
-        est = ref.robust_page_logmass(query, summ, scale, estimator)
+        est = research.robust_page_logmass(query, summ, scale, estimator)
     est[..., 0] = exact[..., 0]
     est[..., n - 1] = exact[..., n - 1]
     return est, exact
@@ -130,7 +131,7 @@ def _param_estimator(query, summ, scale, name):
     val = float(val)
     mvar = ref.mvar_page_logmass(query, summ[:, :, :2], scale)
     if kind == "ext":  # mvar plus one key at the box's max-logit bound, minus delta
-        box_max = ref.box_page_logmass(query, summ, scale) - math.log(PAGE)
+        box_max = research.box_page_logmass(query, summ, scale) - math.log(PAGE)
         return torch.logaddexp(mvar, box_max - val)
     if kind == "vscale":  # variance term scaled by alpha
         base = ref.mvar_page_logmass(
