@@ -560,14 +560,10 @@ def _summarize_page(
     # with its fp32 scale (stored keys then are quantized, not bit copies).
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
-    # One flat load of the page's keys, reshaped: the key tile's register
-    # layout, and with it the order in which its per-channel sums are reduced,
-    # then follows from this load alone. Loaded as [PAGE_SIZE, HEAD_SIZE],
-    # Triton's coalescing gave it the layout of the kernel's other memory
-    # accesses of that shape (Estimate's 64-page int8 summary tiles: 16
-    # values per thread instead of 8), and Estimate's bits differed from the
-    # writer's (test_estimate_writes_filled_pages_like_the_writer on the H200;
-    # benchmarks/kernel_resources.py compares the two layouts without a GPU).
+    # One flat load of the page's keys, reshaped, so the register layout (and
+    # with it the order of the per-channel sums) is the same in the writer and
+    # in Estimate: a [PAGE_SIZE, HEAD_SIZE] load took the layout of the
+    # kernel's other accesses of that shape, and the two stored different bits.
     flat = tl.arange(0, PAGE_SIZE * HEAD_SIZE)
     keys = tl.load(page_keys + (flat // HEAD_SIZE) * stride_kv_token + flat % HEAD_SIZE)
     keys = tl.reshape(keys, (PAGE_SIZE, HEAD_SIZE)).to(tl.float32)
@@ -630,9 +626,7 @@ def kernel_moira_write_summaries(
     # One program per (window of WINDOW_TOKENS tokens, KV head). It summarizes
     # the pages that its tokens fill (a token at page offset PAGE_SIZE - 1),
     # one after another in token order: one page per window of 64 tokens of
-    # one request, more where requests' segments meet. WINDOW_TOKENS = 1 is one
-    # program per token, most of which exit at once (the earlier grid: 72 us
-    # for an 8k-token chunk, mostly those programs). The keys are read back
+    # one request, more where requests' segments meet. The keys are read back
     # from the cache, so a page filled across two prefill chunks is summarized
     # over all of its tokens (_summarize_page: the slots). The decode step
     # does not launch it: Estimate summarizes the pages that the decode rows'
@@ -669,12 +663,9 @@ def write_page_summaries(
     bulk mean and variance and the r farthest keys, for mvar_top{r}).
     It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
     that decode rows fill (``write_filled_pages``), so that both store the
-    same bits: on the GPU the per-channel sums are reduced in the order of the
-    warps' layout, and int8 scales keep every fp32 bit of it (measured on the
-    H200 on 2 warps, and since the flat key load of ``_summarize_page`` on 4:
-    benchmarks/results/pytest_gpu_estimate_4warps_h200.log). Graph-safe:
-    the grid is the number of tokens over WRITER_LAUNCH["window_tokens"]; no
-    host sync.
+    same bits (the per-channel sums are reduced in the order of the warps'
+    layout, and int8 scales keep every fp32 bit of it). Graph-safe: the grid
+    is the number of tokens over WRITER_LAUNCH["window_tokens"]; no host sync.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -822,9 +813,7 @@ def _int8_to_bf16(x):
     # 2^23 + 128 + v hold v + 128 in the mantissa (one integer add), one fp32
     # subtraction gives v, and since |v| <= 128 has at most 8 significant bits
     # its fp32 bits end in 16 zeros: the upper half is v in bf16 (a shift).
-    # Measured: int8 mvar_top8's Estimate 52.4 -> 50.3 us at 4x131072 (the
-    # conversions were not what bounds it; docs/benchmarks.md). Also avoids the
-    # interpreter's bit reinterpretation on a direct int8 -> bf16 cast.
+    # Also avoids the interpreter's bit reinterpretation on a direct cast.
     bits = x.to(tl.int32) + 0x4B000080
     value = bits.to(tl.float32, bitcast=True) - 8388736.0
     upper = value.to(tl.int32, bitcast=True) >> 16
@@ -837,10 +826,9 @@ def _int8_to_fp16(x, PRMT: tl.constexpr):
     # u = v + 128 is v with its sign bit flipped (one xor for four bytes);
     # byte permutes put 0x64 above each u, i.e. the fp16 bits of 1024 + u
     # (fp16 steps by 1 in [1024, 2048)); one packed subtraction of 1152 per
-    # two values gives v. Five instructions per four values against ~4
-    # per value for _int8_to_bf16 (bf16 has one mantissa bit too few for the
-    # trick): Nsight Compute found Estimate on int8 summaries bound by its
-    # instruction issue, most of it these conversions (docs/benchmarks.md).
+    # two values gives v. Five instructions per four values against ~4 per
+    # value for _int8_to_bf16 (bf16 has one mantissa bit too few for the
+    # trick); Estimate on int8 summaries is bound by instruction issue.
     # PRMT False (the interpreter, which has no inline PTX): the plain cast,
     # the same values.
     if PRMT:
@@ -1051,12 +1039,8 @@ def _summary_tile_logmass(
         peak = est
         total = tl.full([TILE_PAGES, EST_ROWS], 1.0, tl.float32)
         # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
-        # keys' tiles are copied asynchronously into shared memory while this
-        # key's product runs). Unrolled, each key was loaded one product ahead
-        # at most; the loop took int8 mvar_top8 from 50 to 45 us at 4x131072
-        # (42 us on 32-page tiles), bf16 mvar_top4 from 34 to 32 us; int8
-        # mvar_top4 lost (27 -> 31 us): docs/benchmarks.md, "Estimate's
-        # stored-key loop".
+        # keys' tiles are copied into shared memory while this key's product
+        # runs), faster than the unrolled keys (docs/design.md).
         for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
             peak, total = _add_stored_key(
                 peak, total, summary, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
@@ -1704,7 +1688,7 @@ def select_pages(
 
 
 # ==========================================================================
-# Attend (Eq. 4, Alg. 2) and Merge
+# Attend (Eq. 4, Alg. 2)
 # ==========================================================================
 @triton.jit
 def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
@@ -1854,42 +1838,6 @@ def kernel_moira_attend(
 
 
 @triton.jit
-def _merge_chunks(
-    partial_out_ptr,  # [num_parts, HEAD_SIZE] fp32
-    partial_lse_ptr,  # [num_parts] fp32
-    out_ptr,  # [HEAD_SIZE] bf16 (out): one query head of one row
-    first_part,
-    part_step,
-    num_chunks,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
-):
-    # Log-sum-exp combine of the partials first_part + j * part_step,
-    # j < num_chunks, in chunk order.
-    offs_j = tl.arange(0, TILE_CHUNKS)
-    offs_d = tl.arange(0, HEAD_SIZE)
-    running_max = float("-inf")
-    running_sum = 0.0
-    acc = tl.zeros([HEAD_SIZE], tl.float32)
-    for j0 in range(0, num_chunks, TILE_CHUNKS):
-        mask_j = j0 + offs_j < num_chunks
-        part = first_part + (j0 + offs_j) * part_step
-        lse = tl.load(partial_lse_ptr + part, mask=mask_j, other=float("-inf"))
-        out = tl.load(
-            partial_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
-            mask=mask_j[:, None],
-            other=0.0,
-        )
-        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
-        weight = tl.exp(lse - new_max)
-        alpha = tl.exp(running_max - new_max)
-        running_sum = running_sum * alpha + tl.sum(weight, axis=0)
-        acc = acc * alpha + tl.sum(out * weight[:, None], axis=0)
-        running_max = new_max
-    tl.store(out_ptr + offs_d, (acc / running_sum).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _step_pages_per_block(list_pages_ptr, num_blocks):
     # Pages per block of the "pages" schedule: the step's list pages P over
     # its N_F blocks, so that ceil(P / chunk) <= N_F blocks cover them.
@@ -2021,6 +1969,83 @@ def kernel_moira_attend_pages(
         lst += 1
 
 
+# ==========================================================================
+# Merge, and the Attend + Merge launcher
+# ==========================================================================
+@triton.jit
+def _merge_chunks(
+    partial_out_ptr,  # [num_parts, HEAD_SIZE] fp32
+    partial_lse_ptr,  # [num_parts] fp32
+    out_ptr,  # [HEAD_SIZE] bf16 (out): one query head of one row
+    first_part,
+    part_step,
+    num_chunks,
+    HEAD_SIZE: tl.constexpr,
+    TILE_CHUNKS: tl.constexpr,
+):
+    # Log-sum-exp combine of the partials first_part + j * part_step,
+    # j < num_chunks, in chunk order.
+    offs_j = tl.arange(0, TILE_CHUNKS)
+    offs_d = tl.arange(0, HEAD_SIZE)
+    running_max = float("-inf")
+    running_sum = 0.0
+    acc = tl.zeros([HEAD_SIZE], tl.float32)
+    for j0 in range(0, num_chunks, TILE_CHUNKS):
+        mask_j = j0 + offs_j < num_chunks
+        part = first_part + (j0 + offs_j) * part_step
+        lse = tl.load(partial_lse_ptr + part, mask=mask_j, other=float("-inf"))
+        out = tl.load(
+            partial_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
+            mask=mask_j[:, None],
+            other=0.0,
+        )
+        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
+        weight = tl.exp(lse - new_max)
+        alpha = tl.exp(running_max - new_max)
+        running_sum = running_sum * alpha + tl.sum(weight, axis=0)
+        acc = acc * alpha + tl.sum(out * weight[:, None], axis=0)
+        running_max = new_max
+    tl.store(out_ptr + offs_d, (acc / running_sum).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
+def kernel_moira_merge(
+    page_count_ptr,  # [max_rows, num_kv_heads] int32
+    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+    partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32
+    partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32
+    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
+    num_splits,
+    min_chunk_pages,
+    fill_blocks,
+    stride_pc_row: tl.int64,
+    stride_o_row: tl.int64,
+    stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    TILE_CHUNKS: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
+):
+    # One program per (row, query head): log-sum-exp combine of the row's
+    # chunks. Single-chunk rows were written by Attend and exit here.
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    row = tl.program_id(0)
+    q_head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
+    # The same chunking as Attend's.
+    list_pages = tl.load(list_pages_ptr)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
+    num_chunks = tl.cdiv(n, chunk)
+    if num_chunks <= 1:
+        return
+    first_part = (row * num_splits).to(tl.int64) * num_q_heads + q_head
+    _merge_chunks(partial_out_ptr, partial_lse_ptr,
+                  output_ptr + row * stride_o_row + q_head * stride_o_head,
+                  first_part, num_q_heads, num_chunks, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_blocks"])
 def kernel_moira_merge_pages(
     page_count_ptr,  # [max_rows, num_kv_heads] int32
@@ -2063,46 +2088,136 @@ def kernel_moira_merge_pages(
                   first_part, GROUP_SIZE, num_parts, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
-def kernel_moira_merge(
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32
-    partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32
-    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
-    num_splits,
-    min_chunk_pages,
-    fill_blocks,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # One program per (row, query head): log-sum-exp combine of the row's
-    # chunks. Single-chunk rows were written by Attend and exit here.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    row = tl.program_id(0)
-    q_head = tl.program_id(1)
-    num_q_heads = tl.num_programs(1)
-    n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
-    # The same chunking as Attend's.
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
-    num_chunks = tl.cdiv(n, chunk)
-    if num_chunks <= 1:
+def attend(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_list: torch.Tensor,
+    page_count: torch.Tensor,
+    output: torch.Tensor,
+    workspace: MoiraWorkspace,
+    scale: float,
+    list_pages: torch.Tensor | None = None,
+) -> None:
+    """Attend + Merge over any selector's page lists.
+
+    ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
+    page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
+    lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
+    The split constants (C, N_J, N_T) come from ``workspace.config``, N_F
+    from ``workspace.attend_fill_blocks``.
+    ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
+    leaves it in ``workspace.list_pages``; None sums the counts here (one
+    reduction on the device, into ``workspace.list_pages``).
+    """
+    config = workspace.config
+    num_rows, num_q_heads, head_size = query.shape
+    if num_rows == 0:
         return
-    first_part = (row * num_splits).to(tl.int64) * num_q_heads + q_head
-    _merge_chunks(partial_out_ptr, partial_lse_ptr,
-                  output_ptr + row * stride_o_row + q_head * stride_o_head,
-                  first_part, num_q_heads, num_chunks, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
+    if num_rows > workspace.max_num_seqs:
+        raise ValueError(
+            f"Moira: {num_rows} decode rows exceed the workspace's "
+            f"max_num_seqs={workspace.max_num_seqs}"
+        )
+    num_kv_heads = kv_cache.shape[1]
+    if list_pages is None:
+        list_pages = workspace.list_pages
+        torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
+                  out=list_pages[0])  # fmt: skip
+    attend_args, attend_strides, attend_keywords = _attend_arguments(
+        query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
+        workspace, scale,
+    )  # fmt: skip
+    merge_args, merge_strides, merge_keywords = _merge_arguments(
+        page_count, list_pages, output, workspace, num_kv_heads
+    )
+    if config.attend_schedule == "pages":
+        # N_F blocks share the step's pages evenly; Merge combines the lists
+        # that span several blocks.
+        num_lists = num_rows * num_kv_heads
+        num_blocks = workspace.attend_fill_blocks
+        # A few tile sizes (so a few compiled variants) cover every batch; the
+        # scan over the step's list lengths loops over tiles beyond 1024 lists.
+        lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
+        kernel_moira_attend_pages[(num_blocks,)](
+            *attend_args, workspace.list_start, num_kv_heads, num_lists, num_blocks,
+            *attend_strides, LISTS_TILE=lists_tile, **attend_keywords,
+            **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
+        )  # fmt: skip
+        kernel_moira_merge_pages[(num_rows, num_q_heads)](
+            *merge_args, workspace.list_start, num_blocks, *merge_strides, **merge_keywords
+        )
+        return
+    num_splits = config.num_splits(num_rows, num_kv_heads)
+    split_args = (num_splits, config.min_chunk_pages, workspace.attend_fill_blocks)
+    kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
+        *attend_args, *split_args, *attend_strides, **attend_keywords,
+        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
+    )  # fmt: skip
+    kernel_moira_merge[(num_rows, num_q_heads)](
+        *merge_args, *split_args, *merge_strides, **merge_keywords
+    )
+
+
+def _attend_arguments(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_list: torch.Tensor,
+    page_count: torch.Tensor,
+    list_pages: torch.Tensor,
+    output: torch.Tensor,
+    workspace: MoiraWorkspace,
+    scale: float,
+) -> tuple[tuple, tuple, dict[str, Any]]:
+    """What both Attend kernels take, in their order: (leading arguments,
+    strides, constexprs and launch options). The schedule's own arguments go
+    between the first two."""
+    num_q_heads, head_size = query.shape[1], query.shape[2]
+    group_size = num_q_heads // kv_cache.shape[1]
+    leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
+               workspace.partial_out, workspace.partial_lse, scale)  # fmt: skip
+    strides = (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+               kv_cache.stride(2), block_table.stride(0), page_list.stride(0),
+               page_list.stride(1), page_count.stride(0), output.stride(0),
+               output.stride(1))  # fmt: skip
+    keywords = dict(
+        GROUP_SIZE=group_size,
+        GROUP_ROWS=_group_rows(group_size),
+        HEAD_SIZE=head_size,
+        PAGE_SIZE=MOIRA_PAGE_SIZE,
+        num_warps=ATTEND_LAUNCH["num_warps"],
+        num_stages=ATTEND_LAUNCH["num_stages"],
+        **_dependent_launch(),
+    )
+    return leading, strides, keywords
+
+
+def _merge_arguments(
+    page_count: torch.Tensor,
+    list_pages: torch.Tensor,
+    output: torch.Tensor,
+    workspace: MoiraWorkspace,
+    num_kv_heads: int,
+) -> tuple[tuple, tuple, dict[str, Any]]:
+    """What both Merge kernels take, in their order, as ``_attend_arguments``."""
+    num_q_heads, head_size = output.shape[1], output.shape[2]
+    leading = (page_count, list_pages, workspace.partial_out, workspace.partial_lse, output)
+    strides = (page_count.stride(0), output.stride(0), output.stride(1))
+    keywords = dict(
+        GROUP_SIZE=num_q_heads // num_kv_heads,
+        HEAD_SIZE=head_size,
+        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
+        num_warps=4,
+        **_dependent_launch(),
+    )
+    return leading, strides, keywords
 
 
 # ==========================================================================
-# Decode-step entry points
+# The decode step: workspace, Estimate + Select, moira_decode
 # ==========================================================================
 #: Every live MoiraWorkspace of this process (benchmarks switch selectors and
 #: read counters through it; weak, so it never keeps a workspace alive).
@@ -2290,134 +2405,6 @@ def moira_workspace_bytes(
     return int(ws.nbytes())
 
 
-def attend(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    list_pages: torch.Tensor | None = None,
-) -> None:
-    """Attend + Merge over any selector's page lists.
-
-    ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
-    page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
-    lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
-    The split constants (C, N_J, N_T) come from ``workspace.config``, N_F
-    from ``workspace.attend_fill_blocks``.
-    ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
-    leaves it in ``workspace.list_pages``; None sums the counts here (one
-    reduction on the device, into ``workspace.list_pages``).
-    """
-    config = workspace.config
-    num_rows, num_q_heads, head_size = query.shape
-    if num_rows == 0:
-        return
-    if num_rows > workspace.max_num_seqs:
-        raise ValueError(
-            f"Moira: {num_rows} decode rows exceed the workspace's "
-            f"max_num_seqs={workspace.max_num_seqs}"
-        )
-    num_kv_heads = kv_cache.shape[1]
-    if list_pages is None:
-        list_pages = workspace.list_pages
-        torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
-                  out=list_pages[0])  # fmt: skip
-    attend_args, attend_strides, attend_keywords = _attend_arguments(
-        query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-        workspace, scale,
-    )  # fmt: skip
-    merge_args, merge_strides, merge_keywords = _merge_arguments(
-        page_count, list_pages, output, workspace, num_kv_heads
-    )
-    if config.attend_schedule == "pages":
-        # N_F blocks share the step's pages evenly; Merge combines the lists
-        # that span several blocks.
-        num_lists = num_rows * num_kv_heads
-        num_blocks = workspace.attend_fill_blocks
-        # A few tile sizes (so a few compiled variants) cover every batch; the
-        # scan over the step's list lengths loops over tiles beyond 1024 lists.
-        lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
-        kernel_moira_attend_pages[(num_blocks,)](
-            *attend_args, workspace.list_start, num_kv_heads, num_lists, num_blocks,
-            *attend_strides, LISTS_TILE=lists_tile, **attend_keywords,
-            **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
-        )  # fmt: skip
-        kernel_moira_merge_pages[(num_rows, num_q_heads)](
-            *merge_args, workspace.list_start, num_blocks, *merge_strides, **merge_keywords
-        )
-        return
-    num_splits = config.num_splits(num_rows, num_kv_heads)
-    split_args = (num_splits, config.min_chunk_pages, workspace.attend_fill_blocks)
-    kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
-        *attend_args, *split_args, *attend_strides, **attend_keywords,
-        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
-    )  # fmt: skip
-    kernel_moira_merge[(num_rows, num_q_heads)](
-        *merge_args, *split_args, *merge_strides, **merge_keywords
-    )
-
-
-def _attend_arguments(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    list_pages: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-) -> tuple[tuple, tuple, dict[str, Any]]:
-    """What both Attend kernels take, in their order: (leading arguments,
-    strides, constexprs and launch options). The schedule's own arguments go
-    between the first two."""
-    num_q_heads, head_size = query.shape[1], query.shape[2]
-    group_size = num_q_heads // kv_cache.shape[1]
-    leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-               workspace.partial_out, workspace.partial_lse, scale)  # fmt: skip
-    strides = (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-               kv_cache.stride(2), block_table.stride(0), page_list.stride(0),
-               page_list.stride(1), page_count.stride(0), output.stride(0),
-               output.stride(1))  # fmt: skip
-    keywords = dict(
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        num_warps=ATTEND_LAUNCH["num_warps"],
-        num_stages=ATTEND_LAUNCH["num_stages"],
-        **_dependent_launch(),
-    )
-    return leading, strides, keywords
-
-
-def _merge_arguments(
-    page_count: torch.Tensor,
-    list_pages: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    num_kv_heads: int,
-) -> tuple[tuple, tuple, dict[str, Any]]:
-    """What both Merge kernels take, in their order, as ``_attend_arguments``."""
-    num_q_heads, head_size = output.shape[1], output.shape[2]
-    leading = (page_count, list_pages, workspace.partial_out, workspace.partial_lse, output)
-    strides = (page_count.stride(0), output.stride(0), output.stride(1))
-    keywords = dict(
-        GROUP_SIZE=num_q_heads // num_kv_heads,
-        HEAD_SIZE=head_size,
-        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
-        num_warps=4,
-        **_dependent_launch(),
-    )
-    return leading, strides, keywords
-
-
 def estimate_and_select(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -2510,8 +2497,8 @@ def moira_decode(
 
 
 # ==========================================================================
-# vLLM backend: MoiraBackend -> MoiraMetadata -> MoiraMetadataBuilder ->
-# MoiraImpl (same order as flash_attn.py).
+# vLLM backend: MoiraMetadata -> MoiraMetadataBuilder -> MoiraBackend ->
+# MoiraImpl.
 #
 # Moira reuses FlashAttention for everything it does not replace: the KV
 # cache layout and scatter (do_kv_cache_update), and FA3 for prefill rows.
@@ -2603,242 +2590,6 @@ def check_vllm_config_for_moira(vllm_config: VllmConfig | None) -> None:
         raise ValueError(
             "MOIRA attention backend cannot run this configuration: " + "; ".join(reasons)
         )
-
-
-# --------------------------------------------------------------------------
-# Backend
-# --------------------------------------------------------------------------
-class MoiraBackend(FlashAttentionBackend):
-    """Sparse decode (Moira kernels) + FA3 prefill, for SM90 and bf16 KV.
-
-    Subclasses FlashAttentionBackend to inherit the KV cache spec/layout and
-    the FA3 prefill path; every capability FA advertises beyond Moira's is
-    switched off here so the selector refuses it instead of falling back.
-    """
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16"]
-    # The layer scatters K/V through do_kv_cache_update before forward();
-    # forward() then writes the page summaries (prefill: the writer kernel;
-    # decode rows: Estimate).
-    forward_includes_kv_cache_update: bool = False
-
-    @staticmethod
-    def get_name() -> str:
-        return "MOIRA"
-
-    @staticmethod
-    def get_impl_cls() -> type[MoiraImpl]:
-        return MoiraImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[MoiraMetadataBuilder]:
-        return MoiraMetadataBuilder
-
-    # A request's own coverage gamma (patch 0005): SamplingParams(extra_args=
-    # {"moira_gamma": 0.9}), or vllm_xargs over the OpenAI API. The runner
-    # hands each row's value to the builder; 0 (not set) means MOIRA_GAMMA.
-    @classmethod
-    def get_request_extras(cls) -> dict[str, float]:
-        return {MOIRA_GAMMA_EXTRA_ARG: 0.0}
-
-    @classmethod
-    def validate_request_extras(cls, extra_args: Mapping[str, Any]) -> None:
-        super().validate_request_extras(extra_args)  # a finite number
-        gamma = extra_args.get(MOIRA_GAMMA_EXTRA_ARG)
-        if gamma is not None and not 0.0 < gamma <= 1.0:
-            raise VLLMValidationError(
-                f"{MOIRA_GAMMA_EXTRA_ARG} must be in (0, 1] (1 keeps every page; "
-                f"omit it to use the server's MOIRA_GAMMA), got {gamma!r}",
-                parameter=MOIRA_GAMMA_EXTRA_ARG,
-                value=gamma,
-            )
-
-    # Kernel pages are exactly 64 tokens (one summary per page). A manager
-    # block that is a multiple of 64 is split into 64-token kernel blocks.
-    @classmethod
-    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
-        return [MOIRA_PAGE_SIZE]
-
-    @classmethod
-    def get_preferred_block_size(cls, default_block_size: int) -> int:
-        # Used when the user did not pass --block-size (default 16).
-        return MOIRA_PAGE_SIZE
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return list(MOIRA_SUPPORTED_HEAD_SIZES)
-
-    @classmethod
-    def supports_head_size(cls, head_size: int) -> bool:
-        return head_size in MOIRA_SUPPORTED_HEAD_SIZES
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
-        return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
-
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        # Prefill rows run on FA3, which vLLM only picks on SM90.
-        return capability.major == 9
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_rswa(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_combination(cls, *args: Any, **kwargs: Any) -> str | None:
-        return None
-
-    @classmethod
-    def validate_configuration(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: Any,
-        block_size: int | None,
-        use_mla: bool,
-        has_sink: bool,
-        use_sparse: bool,
-        use_mm_prefix: bool,
-        use_per_head_quant_scales: bool,
-        device_capability: DeviceCapability,
-        attn_type: str,
-        has_sliding_window: bool = False,
-        use_non_causal: bool = False,
-        use_batch_invariant: bool = False,
-        use_kv_connector: bool = False,
-        use_pcp: bool = False,
-        use_adaptive_verification: bool = False,
-        use_dcp: bool = False,
-        use_rswa: bool = False,
-        **unknown_flags: Any,
-    ) -> list[str]:
-        """Same contract as AttentionBackend.validate_configuration, but every
-        reason names the offending option and what MOIRA supports (the base
-        class only says e.g. "head_size not supported")."""
-        r: list[str] = []
-        if not cls.supports_head_size(head_size):
-            r.append(
-                f"head_size={head_size} is not supported by MOIRA; supported "
-                f"head sizes: {list(MOIRA_SUPPORTED_HEAD_SIZES)}"
-            )
-        if not cls.supports_dtype(dtype):
-            r.append(
-                f"dtype={dtype} is not supported by MOIRA; only torch.bfloat16 "
-                "is supported (--dtype bfloat16)"
-            )
-        if not cls.supports_kv_cache_dtype(kv_cache_dtype):
-            r.append(
-                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by MOIRA; "
-                "supported: 'auto' or 'bfloat16' (no fp8/quantized KV cache)"
-            )
-        if block_size is not None and block_size % MOIRA_PAGE_SIZE != 0:
-            r.append(
-                f"block_size={block_size} is not supported by MOIRA; the kernel "
-                f"block size is exactly {MOIRA_PAGE_SIZE} (use --block-size "
-                f"{MOIRA_PAGE_SIZE}, or a multiple of it, or leave it unset)"
-            )
-        if use_mla:
-            r.append("MLA models are not supported by MOIRA; only MHA/GQA/MQA")
-        if use_sparse:
-            r.append("sparse (indexer) attention is not supported by MOIRA")
-        if has_sink:
-            r.append("attention sinks (learned sinks) are not supported by MOIRA")
-        if use_mm_prefix:
-            r.append(
-                "multimodal prefix (mm_prefix) bidirectional attention is not supported by MOIRA"
-            )
-        if use_per_head_quant_scales:
-            r.append("per-head KV quantization scales are not supported by MOIRA")
-        if not cls.supports_compute_capability(device_capability):
-            r.append(
-                f"compute capability {device_capability.major}."
-                f"{device_capability.minor} is not supported by MOIRA; only "
-                "SM90 (9.x, Hopper) is supported (FA3 prefill)"
-            )
-        if not cls.supports_attn_type(attn_type):
-            r.append(
-                f"attention type {attn_type!r} is not supported by MOIRA; only "
-                f"{AttentionType.DECODER.value!r} is supported"
-            )
-        if has_sliding_window:
-            r.append(
-                "sliding-window attention is not supported by MOIRA; only full "
-                "attention (for mixed models use attention_config."
-                'backend_per_kind={"sliding_window": "FLASH_ATTN"})'
-            )
-        if use_rswa:
-            r.append("R-SWA attention is not supported by MOIRA")
-        if use_non_causal:
-            r.append("non-causal attention is not supported by MOIRA; causal only")
-        if use_batch_invariant:
-            r.append(
-                "batch invariance (VLLM_BATCH_INVARIANT=1) is not supported by "
-                "MOIRA: its split-K decode is not batch invariant"
-            )
-        if use_kv_connector:
-            r.append(
-                "KV connectors / KV offloading are not supported by MOIRA: "
-                "externally loaded KV blocks carry no page summaries"
-            )
-        if use_dcp:
-            r.append(
-                "decode context parallelism (DCP) is not supported by MOIRA; "
-                "use decode_context_parallel_size=1"
-            )
-        if use_pcp:
-            r.append(
-                "prefill context parallelism (PCP) is not supported by MOIRA; "
-                "use prefill_context_parallel_size=1"
-            )
-        if use_adaptive_verification:
-            r.append("adaptive verification (speculative decoding) is not supported by MOIRA")
-        for flag, value in unknown_flags.items():
-            # A newer vLLM passed a feature flag this backend does not know:
-            # refuse it if set rather than ignore it.
-            if value:
-                r.append(f"{flag}={value!r} is not supported by MOIRA")
-        try:
-            moira_config_from_env()
-        except ValueError as e:
-            r.append(str(e))
-        vllm_config = get_current_vllm_config_or_none()
-        if vllm_config is not None:
-            r.extend(_unsupported_vllm_config_reasons(vllm_config))
-        return r
 
 
 # --------------------------------------------------------------------------
@@ -3112,6 +2863,242 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         pages *= self.num_heads_kv * len(self.layer_names)
         self.workspace.dense_read_pages += pages
         self.read_stats_poller.observe_host(pages)
+
+
+# --------------------------------------------------------------------------
+# Backend
+# --------------------------------------------------------------------------
+class MoiraBackend(FlashAttentionBackend):
+    """Sparse decode (Moira kernels) + FA3 prefill, for SM90 and bf16 KV.
+
+    Subclasses FlashAttentionBackend to inherit the KV cache spec/layout and
+    the FA3 prefill path; every capability FA advertises beyond Moira's is
+    switched off here so the selector refuses it instead of falling back.
+    """
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16"]
+    # The layer scatters K/V through do_kv_cache_update before forward();
+    # forward() then writes the page summaries (prefill: the writer kernel;
+    # decode rows: Estimate).
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "MOIRA"
+
+    @staticmethod
+    def get_impl_cls() -> type[MoiraImpl]:
+        return MoiraImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MoiraMetadataBuilder]:
+        return MoiraMetadataBuilder
+
+    # A request's own coverage gamma (patch 0005): SamplingParams(extra_args=
+    # {"moira_gamma": 0.9}), or vllm_xargs over the OpenAI API. The runner
+    # hands each row's value to the builder; 0 (not set) means MOIRA_GAMMA.
+    @classmethod
+    def get_request_extras(cls) -> dict[str, float]:
+        return {MOIRA_GAMMA_EXTRA_ARG: 0.0}
+
+    @classmethod
+    def validate_request_extras(cls, extra_args: Mapping[str, Any]) -> None:
+        super().validate_request_extras(extra_args)  # a finite number
+        gamma = extra_args.get(MOIRA_GAMMA_EXTRA_ARG)
+        if gamma is not None and not 0.0 < gamma <= 1.0:
+            raise VLLMValidationError(
+                f"{MOIRA_GAMMA_EXTRA_ARG} must be in (0, 1] (1 keeps every page; "
+                f"omit it to use the server's MOIRA_GAMMA), got {gamma!r}",
+                parameter=MOIRA_GAMMA_EXTRA_ARG,
+                value=gamma,
+            )
+
+    # Kernel pages are exactly 64 tokens (one summary per page). A manager
+    # block that is a multiple of 64 is split into 64-token kernel blocks.
+    @classmethod
+    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
+        return [MOIRA_PAGE_SIZE]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        # Used when the user did not pass --block-size (default 16).
+        return MOIRA_PAGE_SIZE
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(MOIRA_SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size in MOIRA_SUPPORTED_HEAD_SIZES
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # Prefill rows run on FA3, which vLLM only picks on SM90.
+        return capability.major == 9
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_combination(cls, *args: Any, **kwargs: Any) -> str | None:
+        return None
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: Any,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        use_per_head_quant_scales: bool,
+        device_capability: DeviceCapability,
+        attn_type: str,
+        has_sliding_window: bool = False,
+        use_non_causal: bool = False,
+        use_batch_invariant: bool = False,
+        use_kv_connector: bool = False,
+        use_pcp: bool = False,
+        use_adaptive_verification: bool = False,
+        use_dcp: bool = False,
+        use_rswa: bool = False,
+        **unknown_flags: Any,
+    ) -> list[str]:
+        """Same contract as AttentionBackend.validate_configuration, but every
+        reason names the offending option and what MOIRA supports (the base
+        class only says e.g. "head_size not supported")."""
+        r: list[str] = []
+        if not cls.supports_head_size(head_size):
+            r.append(
+                f"head_size={head_size} is not supported by MOIRA; supported "
+                f"head sizes: {list(MOIRA_SUPPORTED_HEAD_SIZES)}"
+            )
+        if not cls.supports_dtype(dtype):
+            r.append(
+                f"dtype={dtype} is not supported by MOIRA; only torch.bfloat16 "
+                "is supported (--dtype bfloat16)"
+            )
+        if not cls.supports_kv_cache_dtype(kv_cache_dtype):
+            r.append(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by MOIRA; "
+                "supported: 'auto' or 'bfloat16' (no fp8/quantized KV cache)"
+            )
+        if block_size is not None and block_size % MOIRA_PAGE_SIZE != 0:
+            r.append(
+                f"block_size={block_size} is not supported by MOIRA; the kernel "
+                f"block size is exactly {MOIRA_PAGE_SIZE} (use --block-size "
+                f"{MOIRA_PAGE_SIZE}, or a multiple of it, or leave it unset)"
+            )
+        if use_mla:
+            r.append("MLA models are not supported by MOIRA; only MHA/GQA/MQA")
+        if use_sparse:
+            r.append("sparse (indexer) attention is not supported by MOIRA")
+        if has_sink:
+            r.append("attention sinks (learned sinks) are not supported by MOIRA")
+        if use_mm_prefix:
+            r.append(
+                "multimodal prefix (mm_prefix) bidirectional attention is not supported by MOIRA"
+            )
+        if use_per_head_quant_scales:
+            r.append("per-head KV quantization scales are not supported by MOIRA")
+        if not cls.supports_compute_capability(device_capability):
+            r.append(
+                f"compute capability {device_capability.major}."
+                f"{device_capability.minor} is not supported by MOIRA; only "
+                "SM90 (9.x, Hopper) is supported (FA3 prefill)"
+            )
+        if not cls.supports_attn_type(attn_type):
+            r.append(
+                f"attention type {attn_type!r} is not supported by MOIRA; only "
+                f"{AttentionType.DECODER.value!r} is supported"
+            )
+        if has_sliding_window:
+            r.append(
+                "sliding-window attention is not supported by MOIRA; only full "
+                "attention (for mixed models use attention_config."
+                'backend_per_kind={"sliding_window": "FLASH_ATTN"})'
+            )
+        if use_rswa:
+            r.append("R-SWA attention is not supported by MOIRA")
+        if use_non_causal:
+            r.append("non-causal attention is not supported by MOIRA; causal only")
+        if use_batch_invariant:
+            r.append(
+                "batch invariance (VLLM_BATCH_INVARIANT=1) is not supported by "
+                "MOIRA: its split-K decode is not batch invariant"
+            )
+        if use_kv_connector:
+            r.append(
+                "KV connectors / KV offloading are not supported by MOIRA: "
+                "externally loaded KV blocks carry no page summaries"
+            )
+        if use_dcp:
+            r.append(
+                "decode context parallelism (DCP) is not supported by MOIRA; "
+                "use decode_context_parallel_size=1"
+            )
+        if use_pcp:
+            r.append(
+                "prefill context parallelism (PCP) is not supported by MOIRA; "
+                "use prefill_context_parallel_size=1"
+            )
+        if use_adaptive_verification:
+            r.append("adaptive verification (speculative decoding) is not supported by MOIRA")
+        for flag, value in unknown_flags.items():
+            # A newer vLLM passed a feature flag this backend does not know:
+            # refuse it if set rather than ignore it.
+            if value:
+                r.append(f"{flag}={value!r} is not supported by MOIRA")
+        try:
+            moira_config_from_env()
+        except ValueError as e:
+            r.append(str(e))
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is not None:
+            r.extend(_unsupported_vllm_config_reasons(vllm_config))
+        return r
 
 
 # --------------------------------------------------------------------------
