@@ -37,31 +37,40 @@ Three steps:
    against dense per (task, context), pooled per context, and pooled per context and
    haystack; reads per arm and context.
 
-The Qwen2.5-Coder-1.5B run on one H200 (device calls are back to back: the host stays warm
-30 s after a call, and everything it holds is lost when it goes back)::
+The Qwen2.5-Coder-1.5B run on one H200: 23 device calls, about 28 minutes of device time
+(estimates; the pieces must all reach one machine, so the calls follow each other at once:
+a machine stays warm 30 s after a call and is given back after 30 minutes held). ``R`` is
+``python -m benchmarks.accuracy.run_accuracy_vllm run --model
+/root/moira-model/qwen2.5-coder-1.5b/hf --prompts /root/acc/prompts.json.gz``, ``C`` is
+``.stage/carry/qwen2.5-coder-1.5b``::
 
-    # here (CPU, network):
-    python scripts/prepare_model.py --model qwen2.5-coder-1.5b          # ~5 min, 3.55 GB
-    python -m benchmarks.accuracy.data fetch                            # haystacks
+    # here (CPU, network once; done and cached under .cache/ and .stage/):
+    python scripts/prepare_model.py --model qwen2.5-coder-1.5b --gguf-only  # 1.1 GB, sha256
+    python -m benchmarks.accuracy.data fetch                                # haystacks
     python -m benchmarks.accuracy.run_accuracy_vllm export --model qwen2.5-coder-1.5b \\
-        --out .stage/accuracy_qwen/prompts.json.gz                      # 480 documents
-    python scripts/gpu_carry_model.py split --model qwen2.5-coder-1.5b  # prints the carries
-    # call 1 (carry .stage/vllm030, .shared, .stage/accuracy_qwen): install the bundle and
-    #   build Moira as benchmarks/run_gpu.sh does (~1-2 min);
-    #   mkdir -p /root/acc && cp .stage/accuracy_qwen/prompts.json.gz /root/acc/
-    # calls 2..N+1 (carry .stage/carry/qwen2.5-coder-1.5b/manifest.json and one piece; the first
-    #   also .stage/carry/qwen2.5-coder-1.5b/wheels), ~20-30 s each:
-    #   python3 scripts/gpu_carry_model.py receive
-    # call N+2 (~8 min): python3 scripts/gpu_carry_model.py assemble  (join, sha256, bf16,
-    #   ~2-3 min) && source /opt/vllm030/env.sh && python -m benchmarks.accuracy.run_accuracy_vllm
-    #   run --backend FLASH_ATTN --model /root/moira-model/qwen2.5-coder-1.5b/hf
-    #   --prompts /root/acc/prompts.json.gz --budget-s 300 --out $OUT/dense.json
-    # call N+3 (~8 min): ... run --backend MOIRA --budget-s 480 --out $OUT/moira.json
-    # call N+4 (~7 min): ... run --backend MOIRA --estimator mvar --gammas 0.99 0.98
-    #   --no-control --no-fixed --budget-s 480 --out $OUT/moira_mvar.json
-    # (a record with "complete": false: the same call again with --resume, carrying it back)
-    # here: python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json
+        --out .stage/accuracy_qwen/prompts.json.gz                # 480 documents, 21 MiB
+    python scripts/gpu_carry_model.py split   # 20 pieces of 55 MiB; prints every carry list
+    # call 1, carry [.stage/vllm030, .shared] (~3 min with the machine's start):
+    #   bash .shared/gpu/install_vllm_bundle.sh .stage/vllm030 /opt/vllm030 &&
+    #   source /opt/vllm030/env.sh && bash build.sh --use-active-env
+    # calls 2-20, carry [C/manifest.json, C/piece_NN] for NN = 01..19 (01 also C/wheels),
+    #   ~20-30 s each: python3 scripts/gpu_carry_model.py receive
+    # call 21, carry [C/manifest.json, C/piece_20, .stage/accuracy_qwen] (~8 min):
+    #   python3 scripts/gpu_carry_model.py receive && python3 scripts/gpu_carry_model.py
+    #   assemble && mkdir -p /root/acc && cp .stage/accuracy_qwen/prompts.json.gz /root/acc/ &&
+    #   source /opt/vllm030/env.sh && R --backend FLASH_ATTN --budget-s 330
+    #   --out /root/acc/dense.json; cp /root/acc/dense.json $OUT/
+    # call 22 (~9 min): source /opt/vllm030/env.sh && R --backend MOIRA --budget-s 520
+    #   --out /root/acc/moira.json; cp /root/acc/moira.json $OUT/
+    # call 23 (~8 min): the same with --estimator mvar --gammas 0.99 0.98 --no-control
+    #   --no-fixed --out /root/acc/moira_mvar.json
+    # a record that came back with "complete": false: its call again with --resume
+    # here: python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json \\
     #   moira_mvar.json --prompts .stage/accuracy_qwen/prompts.json.gz --out RESULT.json
+
+Per run (estimates for 7.3M prompt tokens): engine start 1-3 min, one prefill of every
+document ~2-3 min, and per arm after the first the decode steps and each prompt's last
+partial page (prefix cache hits), ~20-40 s.
 """
 
 from __future__ import annotations
@@ -623,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument(
         "--chunk-tokens",
         type=int,
-        default=600_000,
+        default=1_500_000,
         help="prompt tokens per chunk (all arms run on a chunk in turn)",
     )
     rn.add_argument(
