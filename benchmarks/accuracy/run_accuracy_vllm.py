@@ -115,6 +115,12 @@ SUITES = {
         "haystacks": ["essays", "austen"],
         "reserve": 64,
     },
+    "qwen2.5-coder-0.5b": {  # the fallback model: the same suite
+        "contexts": [4096, 8192, 16384, 32768],
+        "tasks": D.LONG_TASKS,
+        "haystacks": ["essays", "austen"],
+        "reserve": 64,
+    },
 }
 PAGE = 64
 

@@ -211,3 +211,21 @@ def test_cli_split_rejects_a_piece_over_the_cap(tmp_path, monkeypatch, capsys, f
     out = capsys.readouterr().out
     # 64 - 4 (margin) - 10 (tree) MiB, less the 64 KiB kept for the manifest
     assert "1 pieces of 49 MiB" in out and "call  1: carry" in out
+
+
+def test_carried_wheels_serve_missing_modules_only(tmp_path, monkeypatch):
+    import importlib
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "moira_carry_probe-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("moira_carry_probe/__init__.py", "VALUE = 42\n")
+    monkeypatch.setattr(C, "CARRIED_WHEELS", {"moira_carry_probe": "x==1.0", "json": "y==1"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert C.use_carried_wheels(wheels, tmp_path / "pylib") == ["moira_carry_probe"]
+    assert importlib.import_module("moira_carry_probe").VALUE == 42
+    sys.modules.pop("moira_carry_probe", None)
+    monkeypatch.setattr(C, "CARRIED_WHEELS", {"moira_carry_absent": "z==1"})
+    with pytest.raises(P.PrepareError, match="moira_carry_absent is not installed and no"):
+        C.use_carried_wheels(wheels, tmp_path / "pylib")
