@@ -4,6 +4,9 @@
     python -m benchmarks.accuracy.kept_fraction --model qwen2.5-coder-1.5b --context 16384 \\
         [--gamma 0.98] [--estimators int8:mvar_top8 mvar] [--last-k 4] [--device cpu|cuda] \\
         --out kept.json
+    # on the GPU host, a document of the exported suite:
+    python -m benchmarks.accuracy.kept_fraction --model-dir MODEL_DIR --device cuda \\
+        --prompts prompts.json.gz --doc-id 'niah_single|16384|0' --out kept.json
 
 One document (niah_single, the given haystack) is prefilled densely through transformers in
 float32 (in ``--chunk`` token pieces, so no full ``T x T`` score matrix is ever held), the
@@ -82,6 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--haystack", default="essays", choices=sorted(D.HAYSTACKS))
     ap.add_argument("--doc", type=int, default=0, help="which niah_single document")
+    ap.add_argument(
+        "--prompts",
+        help="take the document from a run_accuracy_vllm export instead (its token ids; no "
+        "haystack needed, e.g. on the GPU host)",
+    )
+    ap.add_argument("--doc-id", help="with --prompts: the document's id, e.g. niah_single|16384|0")
     ap.add_argument("--gamma", type=float, default=0.98)
     ap.add_argument("--estimators", nargs="+", default=["int8:mvar_top8", "mvar"])
     ap.add_argument("--last-k", type=int, default=4, help="decode rows measured")
@@ -94,18 +103,30 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--gamma must be in (0, 1), got {args.gamma}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from benchmarks.accuracy.run_accuracy_vllm import _prepare_module
+    from benchmarks.accuracy.run_accuracy_vllm import _prepare_module, load_json
 
+    exported = None
+    if args.prompts:  # checked before the (slow) model load
+        docs = {d["id"]: d for d in load_json(args.prompts)["docs"]}
+        if args.doc_id not in docs:
+            ap.error(f"--doc-id {args.doc_id!r} is not in {args.prompts}")
+        exported = docs[args.doc_id]
     prepare = _prepare_module()
     model_dir = Path(args.model_dir) if args.model_dir else prepare.prepare(model=args.model)
     t0 = time.time()
     tok, model = H.load_model(model_dir)
     model.to(args.device)
     t_load = time.time() - t0
-    sample = D.ruler_samples(
-        tok, "niah_single", args.context, args.doc + 1, haystacks=[args.haystack]
-    )[args.doc]
-    ids = H.chat_ids(tok, sample.prompt, sample.answer_prefix).to(args.device)
+    if exported is not None:
+        document = exported["id"]
+        haystack = exported["sample"].get("haystack", "essays")
+        ids = torch.tensor([exported["prompt_token_ids"]], device=args.device)
+    else:
+        sample = D.ruler_samples(
+            tok, "niah_single", args.context, args.doc + 1, haystacks=[args.haystack]
+        )[args.doc]
+        document, haystack = f"niah_single|{args.context}|{args.doc}", args.haystack
+        ids = H.chat_ids(tok, sample.prompt, sample.answer_prefix).to(args.device)
     t1 = time.time()
     captured = capture(model, ids, args.last_k, args.chunk)
     t_prefill = time.time() - t1
@@ -140,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         "where": f"{args.device}, float32 reference via transformers, "
         f"{torch.get_num_threads()} threads",
         "model": model_dir.name,
-        "document": f"niah_single|{args.context}|{args.doc}",
-        "haystack": args.haystack,
+        "document": document,
+        "haystack": haystack,
         "prompt_tokens": seq,
         "gamma": args.gamma,
         "last_k": args.last_k,

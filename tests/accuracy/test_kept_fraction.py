@@ -62,3 +62,23 @@ def test_one_dominant_page_is_all_the_oracle_keeps():
     assert K.kept_by_head(query, keys, 0.999, "oracle", 1.0)[0] > 3 / 7
     # mvar sees the same dominant page from the summaries
     assert K.kept_by_head(query, keys, 0.9, "mvar", 1.0) == [3 / 7, 3 / 7]
+
+
+def test_cli_refuses_an_unknown_document_before_loading(tmp_path, capsys):
+    from benchmarks.accuracy.run_accuracy_vllm import dump_json
+
+    dump_json(tmp_path / "p.json.gz", {"docs": [{"id": "niah_single|16384|0"}]})
+    with pytest.raises(SystemExit):
+        K.main(
+            [
+                "--model-dir",
+                str(tmp_path / "absent"),
+                "--prompts",
+                str(tmp_path / "p.json.gz"),
+                "--doc-id",
+                "niah_single|4096|0",
+                "--out",
+                str(tmp_path / "k.json"),
+            ]
+        )
+    assert "--doc-id 'niah_single|4096|0' is not in" in capsys.readouterr().err
