@@ -63,7 +63,10 @@ a machine stays warm 30 s after a call and is given back after 30 minutes held).
     # call 22 (~9 min): source /opt/vllm030/env.sh && R --backend MOIRA --budget-s 520
     #   --out /root/acc/moira.json; cp /root/acc/moira.json $OUT/
     # call 23 (~8 min): the same with --estimator mvar --gammas 0.99 0.98 --no-control
-    #   --no-fixed --out /root/acc/moira_mvar.json
+    #   --no-fixed --out /root/acc/moira_mvar.json; then (~1 min) the kept fraction per
+    #   (layer, KV head) at 16k: python -m benchmarks.accuracy.kept_fraction --device cuda
+    #   --model-dir /root/moira-model/qwen2.5-coder-1.5b/hf --prompts /root/acc/prompts.json.gz
+    #   --doc-id 'niah_single|16384|0' --out $OUT/kept_16k.json
     # a record that came back with "complete": false: its call again with --resume
     # here: python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json \\
     #   moira_mvar.json --prompts .stage/accuracy_qwen/prompts.json.gz --out RESULT.json
