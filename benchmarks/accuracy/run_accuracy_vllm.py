@@ -21,7 +21,7 @@ Three steps:
    each ``--gammas`` value (default 0.99 0.98 0.95; a request's own gamma, SamplingParams
    ``extra_args={"moira_gamma": g}``), gamma 1 (``--control``: every page, the bf16 noise
    floor against FLASH_ATTN), then the fixed-count selector (switched in place with
-   ``rpc_set_selector``) at the read fraction that the ``--fixed-at`` arm (0.98) measured
+   ``moira_rpc.set_selector``) at the read fraction that the ``--fixed-at`` arm (0.98) measured
    on the same documents. The estimator is fixed when the KV cache is allocated
    (``--estimator`` sets ``MOIRA_ESTIMATOR``), so the paper's ``mvar`` is its own engine:
    ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed``. Documents run in
@@ -339,10 +339,11 @@ def run(args) -> None:
         raise SystemExit(f"run: no documents at --contexts {args.contexts}")
     max_new = args.max_new or prompts.get("max_new", 12)
     stop = prompts["stop_token_ids"]
-    moira = None
+    moira = moira_rpc = None
     estimator = None
     if args.backend == "MOIRA":
         from vllm.v1.attention.backends import moira
+        from vllm.v1.worker import moira_rpc
 
         estimator = moira.moira_config_from_env().estimator
     arms = plan_arms(
@@ -403,7 +404,7 @@ def run(args) -> None:
         for arm in arms:
             t_arm = time.time()
             gamma = None
-            if moira is not None:
+            if moira_rpc is not None:
                 if arm["selector"] == "fixed":
                     fraction = reads[arm["matches"]]
                     arm["fixed_fraction_by_chunk"][key] = fraction
@@ -411,11 +412,11 @@ def run(args) -> None:
                 else:  # the request's own gamma (moira_gamma) decides
                     changes = dict(selector="coverage", fixed_fraction=None, fixed_pages=None)
                     gamma = arm["gamma"]
-                llm.collective_rpc(moira.rpc_set_selector, kwargs=changes)
-                llm.collective_rpc(moira.rpc_read_stats, kwargs={"reset": True})
+                llm.collective_rpc(moira_rpc.set_selector, kwargs=changes)
+                llm.collective_rpc(moira_rpc.read_stats, kwargs={"reset": True})
             arm["outputs"].update(_generate(llm, chunk, stop, max_new, gamma))
-            if moira is not None:
-                kept, total = llm.collective_rpc(moira.rpc_read_stats)[0]
+            if moira_rpc is not None:
+                kept, total = llm.collective_rpc(moira_rpc.read_stats)[0]
                 if not total:
                     raise RuntimeError(f"{arm['label']}: Select counted no pages on {key}")
                 old = arm["pages_by_context"].get(str(ctx), [0, 0])

@@ -110,13 +110,13 @@ def _install_fakes(monkeypatch, prompts):
     def tokens_prompt(prompt_token_ids):
         return {"prompt_token_ids": prompt_token_ids, "answer": by_ids[id(prompt_token_ids)]}
 
-    def rpc_set_selector(engine, **changes):
+    def set_selector(engine, **changes):
         for k, v in changes.items():
             if hasattr(engine.selector, k):
                 setattr(engine.selector, k, v)
         return 1
 
-    def rpc_read_stats(engine, reset=False):
+    def read_stats(engine, reset=False):
         out = list(engine.counts)
         if reset:
             engine.counts = [0, 0]
@@ -137,8 +137,11 @@ def _install_fakes(monkeypatch, prompts):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = tokens_prompt
     moira = types.ModuleType("vllm.v1.attention.backends.moira")
-    moira.rpc_set_selector, moira.rpc_read_stats = rpc_set_selector, rpc_read_stats
     moira.moira_config_from_env = from_env
+    moira_rpc = types.ModuleType("vllm.v1.worker.moira_rpc")
+    moira_rpc.set_selector, moira_rpc.read_stats = set_selector, read_stats
+    worker = types.ModuleType("vllm.v1.worker")
+    worker.moira_rpc = moira_rpc
     backends = types.ModuleType("vllm.v1.attention.backends")
     backends.moira = moira
     for name, mod in {
@@ -148,6 +151,8 @@ def _install_fakes(monkeypatch, prompts):
         "vllm.v1.attention": types.ModuleType("a"),
         "vllm.v1.attention.backends": backends,
         "vllm.v1.attention.backends.moira": moira,
+        "vllm.v1.worker": worker,
+        "vllm.v1.worker.moira_rpc": moira_rpc,
     }.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delenv("MOIRA_ESTIMATOR", raising=False)
