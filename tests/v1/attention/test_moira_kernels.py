@@ -804,3 +804,20 @@ def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
         total += int(ws.read_stats[1])
     assert [kept, total] == whole.read_stats.tolist()
     assert kept < total, "the case must be sparse to test anything"
+
+
+def test_decode_step_padded_query_rows_raise_no_numpy_warnings():
+    """A GQA group of 3 heads is padded to 4 rows in Select's tile: the padded
+    rows' softmax denominators are 0 and must not be divided by (the
+    interpreter computes every lane in numpy, so x / 0 would warn)."""
+    import warnings
+
+    kv, summaries, table, seq, query = _batch([64 * 9 + 5, 64 * 3, 1], 2, 3, 64, "token_major")
+    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_SPLITS)
+    ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
+    out = torch.zeros_like(query)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
+    assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    assert torch.isfinite(out.float()).all()

@@ -1386,7 +1386,8 @@ def _select_row(
         denom = denom * tl.exp(peak - safe_peak) + tl.sum(tl.exp(x - safe_peak[:, None]), axis=1)
         peak = new_peak
     safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-    inv_denom = tl.where(mask_g, 1.0 / denom, 0.0) / GROUP_SIZE
+    # Padded query rows have denom 0: divide by 1 there (no inf to discard).
+    inv_denom = tl.where(mask_g, 1.0 / tl.where(mask_g, denom, 1.0), 0.0) / GROUP_SIZE
 
     # Pass 2: pibar = group mean of the softmax; the forced pages' shares and
     # the largest middle share bound the threshold search.
