@@ -358,3 +358,43 @@ def test_help_lists_the_gpu_sequence(capsys):
         R.main(["--help"])
     text = capsys.readouterr().out
     assert "gpu_carry_model.py receive" in text and "--estimator mvar" in text
+
+
+@pytest.mark.slow
+def test_export_qwen_fits_the_contexts(tmp_path):
+    """The Qwen suite's documents with the real tokenizer: every prompt plus the answer
+    budget within its context, niah_multiquery's four numbers within the budget."""
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    model_dir = Path(R.REPO) / ".cache" / "models" / "Qwen2.5-Coder-1.5B-Instruct"
+    if not (model_dir / "tokenizer.json").is_file():
+        pytest.skip("scripts/prepare_model.py --model qwen2.5-coder-1.5b has not been run")
+    out = tmp_path / "prompts.json.gz"
+    R.main(
+        [
+            "export",
+            "--model",
+            "qwen2.5-coder-1.5b",
+            "--model-dir",
+            str(model_dir),
+            "--contexts",
+            "4096",
+            "--docs",
+            "2",
+            "--tasks",
+            "niah_single",
+            "niah_multiquery",
+            "--haystacks",
+            "austen",
+            "mobydick",
+            "--out",
+            str(out),
+        ]
+    )
+    data = R.load_json(out)
+    assert data["max_new"] >= 4 * 7  # Qwen writes numbers digit by digit
+    assert {d["sample"]["haystack"] for d in data["docs"]} == {"austen", "mobydick"}
+    for d in data["docs"]:
+        assert 3500 < len(d["prompt_token_ids"]) <= 4096 - data["max_new"]
+        assert d["sample"]["context"] == 4096
