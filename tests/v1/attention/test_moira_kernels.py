@@ -481,6 +481,7 @@ def _chunks_written(ws, row, num_splits, num_q_heads):
     return int(lse.isfinite().all(dim=1).sum())
 
 
+@pytest.mark.slow
 def test_default_split_constants_single_and_multi_chunk():
     """Eq. 4 exactly (attend_fill_blocks=1) with C=24, N_J=32, N_T=4096: a
     24-page row is one chunk written by Attend directly; a 25-page row is
@@ -505,6 +506,7 @@ def test_default_split_constants_single_and_multi_chunk():
     [([24, 25], 1, [0, 2]), ([24, 25], 512, [24, 25]), ([24, 25], 16, [6, 7]),
      ([10, 40], 10, [2, 8])],
 )  # fmt: skip
+@pytest.mark.slow
 def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, chunks):
     """attend_fill_blocks N_F: lists of 24 and 25 pages (49 in the step)
     cannot give N_F blocks of C = 24 pages, so chunks shrink to ceil(49 / N_F)
@@ -684,6 +686,7 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
     assert int(written.sum()) == sum(p for p in parts if p > 1)
 
 
+@pytest.mark.slow
 def test_page_schedule_equals_list_schedule_within_rounding():
     """The two schedules attend the same lists; only the order of the online
     softmax differs, so the outputs agree to bf16 rounding."""
@@ -755,6 +758,7 @@ def test_workspace_rejects_unsupported_geometry():
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("schedule", ["lists", "pages"])
+@pytest.mark.slow
 def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
     """vLLM's tensor parallelism gives each rank a contiguous block of KV heads
     with their G query heads, its own KV cache, summaries and workspace. Every
