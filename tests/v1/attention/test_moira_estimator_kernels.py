@@ -253,7 +253,7 @@ def test_config_from_env_estimator(env, expected):
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"MOIRA_ESTIMATOR": "quest"}, r"estimator must be one of .*got 'quest'"),
+        ({"MOIRA_ESTIMATOR": "quest"}, r"MOIRA_ESTIMATOR must be one of .*got 'quest'"),
         ({"MOIRA_ESTIMATER": "mvar_top4"}, r"unknown environment variable.*MOIRA_ESTIMATER"),
     ],
 )

@@ -281,7 +281,9 @@ def test_config_summary_dtype():
     assert moira.MoiraConfig().summary_dtype == "int8"  # the default (docs/estimator.md)
     assert moira.MOIRA_SUMMARY_DTYPES == ref.SUMMARY_DTYPES
     assert moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "INT8"}).summary_dtype == "int8"
-    with pytest.raises(ValueError, match=r"summary_dtype must be one of \('bfloat16', 'int8'\)"):
+    with pytest.raises(
+        ValueError, match=r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8'\)"
+    ):
         moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "fp8"})
     ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig.paper(summary_dtype="int8"), "cpu")
     with pytest.raises(ValueError, match="cannot change.*summary_dtype"):
