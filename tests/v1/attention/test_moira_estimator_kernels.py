@@ -127,6 +127,7 @@ def test_write_summaries_rejects_unknown_slot_count():
         ("head_major", 8, 128, "diffuse"),
     ],
 )
+@pytest.mark.slow
 def test_estimate_matches_reference(estimator, layout, group, head_size, pattern, monkeypatch):
     # 16-page tiles: the sink, middle tiles and the current page fall in
     # different programs.

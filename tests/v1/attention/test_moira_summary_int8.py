@@ -172,6 +172,7 @@ def test_write_int8_summaries_of_an_all_zero_page():
 # cores, and "auto" (the default: imma with stored keys or 64-page tiles, else prmt)
 # (ESTIMATE_LAUNCH["int8_convert"]).
 @pytest.mark.parametrize("int8_convert", ["prmt", "bf16", "imma", "auto"])
+@pytest.mark.slow
 def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
                                          int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
