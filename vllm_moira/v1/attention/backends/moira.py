@@ -709,6 +709,20 @@ def write_page_summaries(
     )
 
 
+def rebuild_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> None:
+    """Summarize every page of the cache from the keys it holds now.
+
+    For a cache filled without the backend (a KV connector or offload loading
+    pages, a test harness writing them directly): the summaries then describe
+    those keys, as if the pages had been filled through the backend. Pages
+    never filled get summaries of whatever they hold, which no list reads
+    (block tables point at filled pages; the current page is exact). One pass
+    over the cache; not for the decode step.
+    """
+    last_slots = torch.arange(kv_cache.shape[0], dtype=torch.int64, device=kv_cache.device)
+    write_page_summaries(kv_cache, summaries, last_slots * MOIRA_PAGE_SIZE + (MOIRA_PAGE_SIZE - 1))
+
+
 def warm_up_summary_writer(kv_cache: torch.Tensor, summaries: torch.Tensor) -> None:
     """Compile the summary writer for this cache and summary layout now.
 
@@ -2615,6 +2629,9 @@ class MoiraMetadata:
     decode_seq_lens: torch.Tensor
     # [num_decodes, max_blocks] int32 kernel block ids.
     decode_block_table: torch.Tensor
+    # [num_actual_tokens] int64 cache slot of every token of the step, as in
+    # FlashAttentionMetadata: callers of do_kv_cache_update read it here.
+    slot_mapping: torch.Tensor
     # FA metadata for the prefill rows only (sliced batch), None if none.
     prefill: FlashAttentionMetadata | None
     # Persistent buffers and the selector (workspace.config, set_selector).
@@ -2834,6 +2851,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             num_prefill_tokens=npt,
             decode_seq_lens=cam.seq_lens[:nd],
             decode_block_table=cam.block_table_tensor[:nd],
+            slot_mapping=cam.slot_mapping,
             prefill=prefill,
             workspace=self.workspace,
             dense_step=dense_step,
@@ -3212,8 +3230,11 @@ class MoiraImpl(FlashAttentionImpl):
         }
 
     def _get_summaries(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Summaries for this KV view. Normally bound by the worker hook; the
-        lazy path covers a vLLM without patch 0003 (plugin mode)."""
+        """Summaries for this KV view. Normally bound by the worker hook, before
+        anything is written to the cache. Acquired here instead (a vLLM without
+        patch 0003, or a caller that drives the impl directly, as vLLM's backend
+        tests do), the cache may already hold pages written behind the backend's
+        back: their summaries are rebuilt from the keys."""
         key = summary_key(kv_cache)
         if self._summaries is not None and self._summaries_key == key:
             return self._summaries
@@ -3229,6 +3250,8 @@ class MoiraImpl(FlashAttentionImpl):
             kv_cache, self.moira_config.summary_slots, self.moira_config.summary_dtype
         )
         self._summaries_key = key
+        if kv_cache.numel() > 0:
+            rebuild_page_summaries(kv_cache, self._summaries)
         return self._summaries
 
     # ---- forward -------------------------------------------------------------
