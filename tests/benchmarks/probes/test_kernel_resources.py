@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from _load import ROOT, load
 
 kr = load("probes.kernel_resources")
@@ -28,6 +29,7 @@ def test_blocks_per_sm_from_registers_warps_and_shared_memory():
     assert kr.blocks_per_sm(16, 1, 0) == 32
 
 
+@pytest.mark.slow
 def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     """The real launchers' five launches (writer, Estimate, Select, Attend,
     Merge) are captured, compiled for sm_90 and read back with cuobjdump. A
@@ -59,6 +61,7 @@ def test_decode_step_compiles_for_sm90_without_a_gpu(tmp_path):
     assert by_name["kernel_moira_estimate"]["summary_sum_layouts"]
 
 
+@pytest.mark.slow
 def test_two_slot_estimate_sums_page_summaries_in_the_writers_layout(tmp_path):
     """int8 mvar: Estimate's 64-page [64, D] int8 summary tiles once gave the
     page's key tile their layout (Triton's coalescing merges accesses of one
@@ -90,6 +93,7 @@ def test_summary_sum_layouts_reads_layout_definitions():
     assert kr.summary_sum_layouts(ttgir, 64, 64) == []
 
 
+@pytest.mark.slow
 def test_page_schedule_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """attend_schedule="pages": Attend and Merge are the schedule's own
     kernels, one Attend block per N_F (396 off the GPU), no GPU-wide fence."""
