@@ -45,7 +45,8 @@ Options:
   -h, --help           this text
 
 The Moira configuration is the MOIRA_* environment this script is started with;
-it is recorded in run.json. Example:
+it is recorded in run.json, with the commit (git rev-parse HEAD, or RUN_GPU_COMMIT
+where the tree was copied without its history). Example:
   MOIRA_GAMMA=0.98 bash benchmarks/run_gpu.sh --out /tmp/out gpu-tests correctness \
       tpot:130048x4,8192x32
 EOF
@@ -115,9 +116,11 @@ T0=$(date +%s)
 log() { echo "[run_gpu $(($(date +%s) - T0)) s] $*" | tee -a "${OUT}/run.log"; }
 
 # run.json: written once here, each step appended by record_step.
-COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+# A copy of the tree without its git history (a machine the checkout was synced to) names
+# its commit in RUN_GPU_COMMIT; it is then recorded as given, not checked.
+COMMIT=${RUN_GPU_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 DIRTY=false
-if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+if [[ -z "${RUN_GPU_COMMIT:-}" && -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
     DIRTY=true
 fi
 python3 - "${OUT}/run.json" "${COMMIT}" "${DIRTY}" <<'PYEOF'
@@ -206,7 +209,7 @@ for step in "${STEPS[@]}"; do
             fi
             ;;
         kernel-spread)
-            fractions=benchmarks/results/real_fractions_smollm2.json
+            fractions=benchmarks/results/kernel_spread/real_fractions_smollm2.json
             if [[ -f "${fractions}" ]]; then
                 run kernel_spread python benchmarks/bench_kernel_spread.py \
                     --real-fractions "${fractions}" --out "${OUT}/kernel_spread.json"

@@ -54,17 +54,17 @@ STAGED_FILES = (
     "v1/attention/test_attention_backends.py",
     "v1/attention/test_attention_splitting.py",
     "v1/attention/test_batch_reordering.py",
-    "v1/cudagraph/__init__.py",
-    "v1/cudagraph/test_cudagraph_dispatch.py",
 )
 
 # The backend-generic tests that apply to a decode backend (MOIRA in BACKENDS_TO_TEST), and
-# vLLM's own split/reorder/dispatch logic that MOIRA's builder and graphs rely on.
+# vLLM's own split/reorder logic that MOIRA's builder relies on. tests/v1/cudagraph/ is not
+# run: its dispatch tests import vLLM's tests/utils.py (server and client helpers that need
+# packages an offline host lacks) and check vLLM's dispatcher on mock configs, whatever the
+# backend; its mode test loads Qwen/Qwen2-1.5B-Instruct from the hub.
 DEFAULT_TESTS = (
     "tests/v1/attention/test_attention_backends.py::test_causal_backend_correctness",
     "tests/v1/attention/test_attention_splitting.py",
     "tests/v1/attention/test_batch_reordering.py",
-    "tests/v1/cudagraph/test_cudagraph_dispatch.py",
 )
 
 TEST_MODEL = "meta-llama/Meta-Llama-3-8B"
