@@ -146,6 +146,9 @@ def test_good_configuration_has_no_reasons():
     assert backend.validate_configuration(**_good()) == []
     assert backend.validate_configuration(**_good(head_size=64, kv_cache_dtype="bfloat16")) == []
     assert backend.validate_configuration(**_good(block_size=64)) == []
+    # vLLM's fp8 KV cache (e4m3, the format FA3 reads) in both spellings.
+    assert backend.validate_configuration(**_good(kv_cache_dtype="fp8")) == []
+    assert backend.validate_configuration(**_good(kv_cache_dtype="fp8_e4m3")) == []
 
 
 @pytest.mark.parametrize(
@@ -154,8 +157,14 @@ def test_good_configuration_has_no_reasons():
         ({"head_size": 96}, r"head_size=96 .*\[64, 128\]"),
         ({"head_size": 256}, r"head_size=256 .*\[64, 128\]"),
         ({"dtype": torch.float16}, r"dtype=torch.float16 .*bfloat16"),
-        ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' .*'auto' or 'bfloat16'"),
-        ({"kv_cache_dtype": "fp8_e4m3"}, r"kv_cache_dtype='fp8_e4m3'"),
+        (
+            {"kv_cache_dtype": "fp8_e5m2"},
+            r"--kv-cache-dtype fp8_e5m2 .*not supported by MOIRA; allowed: auto, bfloat16, "
+            r"fp8, fp8_e4m3",
+        ),
+        ({"kv_cache_dtype": "fp8_inc"}, r"--kv-cache-dtype fp8_inc .*allowed: auto"),
+        ({"kv_cache_dtype": "nvfp4"}, r"--kv-cache-dtype nvfp4 .*allowed: auto"),
+        ({"kv_cache_dtype": "fp8_per_token_head"}, r"--kv-cache-dtype fp8_per_token_head"),
         ({"block_size": 16}, r"block_size=16 .*exactly 64"),
         ({"block_size": 32}, r"block_size=32 .*exactly 64"),
         ({"use_mla": True}, r"MLA"),
@@ -195,7 +204,8 @@ def test_selector_flags():
     assert backend.supports_block_size(64) and backend.supports_block_size(128)
     assert not backend.supports_block_size(16)
     assert backend.supported_dtypes == [torch.bfloat16]
-    assert not backend.supports_kv_cache_dtype("fp8")
+    assert backend.supports_kv_cache_dtype("fp8") and backend.supports_kv_cache_dtype("fp8_e4m3")
+    assert not backend.supports_kv_cache_dtype("fp8_e5m2")
     # DCP/PCP are read from the impl class by the selector.
     assert not backend.supports_dcp() and not backend.supports_pcp()
     assert not backend.supports_kv_connector()
@@ -337,6 +347,7 @@ def _fake_vllm_config(**over):
         ({"parallel_config.use_ubatching": True}, r"DBO"),
         ({"model_config.dtype": torch.float16}, r"bfloat16"),
         ({"model_config.is_hybrid": True}, r"hybrid"),
+        ({"cache_config.cache_dtype": "fp8_e5m2"}, r"--kv-cache-dtype fp8_e5m2 .*allowed"),
     ],
 )
 def test_engine_level_refusals(override, expected):
@@ -374,7 +385,7 @@ _IMPL_ARGS = dict(
         ({"sinks": torch.zeros(4)}, "sinks"),
         ({"sliding_window": 4096}, "sliding_window=4096"),
         ({"attn_type": "encoder_only"}, "decoder self-attention only"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, r"--kv-cache-dtype fp8_e5m2 .*allowed: .*fp8_e4m3"),
         ({"head_size": 80}, r"head sizes \[64, 128\], got 80"),
     ],
 )
@@ -613,7 +624,7 @@ def test_forward_dense_step_runs_fa_and_the_summary_writer(
 
     monkeypatch.setattr(mod, "moira_decode", lambda *a, **k: calls.update(decode=True))
     monkeypatch.setattr(
-        mod, "write_page_summaries", lambda kv, summ, slots: calls.update(writer=slots)
+        mod, "write_page_summaries", lambda kv, summ, slots, k_scale: calls.update(writer=slots)
     )
     monkeypatch.setattr(FlashAttentionImpl, "forward", fake_fa)
     kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
@@ -656,12 +667,14 @@ def test_forward_routes_decode_to_moira_and_prefill_to_fa(builder, monkeypatch):
     calls = {}
 
     def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale,
-                    write_filled_pages=False):  # fmt: skip
+                    write_filled_pages=False, k_scale=None, v_scale=None):  # fmt: skip
         calls["decode"] = (query.shape, summaries.shape, block_table, seq_lens, workspace)
         calls["decode_writes_summaries"] = write_filled_pages
+        assert k_scale is None and v_scale is None  # a bf16 cache has no scales
         output.fill_(1)
 
-    def fake_writer(kv_cache, summaries, slot_mapping):
+    def fake_writer(kv_cache, summaries, slot_mapping, k_scale):
+        assert k_scale is None
         calls.setdefault("writer", []).append(slot_mapping)
 
     def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
@@ -712,7 +725,7 @@ def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):
     monkeypatch.setattr(
         mod,
         "moira_decode",
-        lambda *a, write_filled_pages=False: seen.update(decode=write_filled_pages),
+        lambda *a, write_filled_pages=False, **scales: seen.update(decode=write_filled_pages),
     )
     monkeypatch.setattr(mod, "write_page_summaries", lambda *a: seen.update(writer=True))
     kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
@@ -723,6 +736,109 @@ def test_forward_pure_decode_launches_no_summary_writer(builder, monkeypatch):
     assert seen == {"decode": True}
 
 
+class _Fp8Layer(torch.nn.Module):
+    """The scales vLLM's attention layer holds (set_default_quant_scales)."""
+
+    def __init__(self, q_scale=1.0, k_scale=0.5, v_scale=0.25):
+        super().__init__()
+        self._q_scale = torch.tensor(q_scale)
+        self._k_scale = torch.tensor(k_scale)
+        self._v_scale = torch.tensor(v_scale)
+
+
+@pytest.fixture
+def fa3_fp8(monkeypatch):
+    """FlashAttentionImpl accepts an fp8 cache only where FA3 runs (SM90);
+    CPU tests stand in for the H200."""
+    from vllm.v1.attention.backends import flash_attn
+
+    monkeypatch.setattr(flash_attn, "flash_attn_supports_kv_cache_dtype", lambda *a, **k: True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
+def test_impl_fp8_keeps_the_query_in_bf16(builder, fa3_fp8, kv_cache_dtype):
+    # The attention layer quantizes the query for impls that declare
+    # supports_quant_query_input; Moira's decode reads it in bf16.
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(builder.vllm_config):
+        impl = moira_module().MoiraImpl(**{**_IMPL_ARGS, "kv_cache_dtype": kv_cache_dtype})
+        bf16 = moira_module().MoiraImpl(**_IMPL_ARGS)
+    assert impl.kv_cache_fp8 and impl.supports_quant_query_input is False
+    assert not bf16.kv_cache_fp8 and bf16.supports_quant_query_input is False
+
+
+def test_forward_fp8_reads_e4m3_with_the_layer_scales(builder, monkeypatch, fa3_fp8):
+    # A mixed step on an fp8 cache: Moira's decode and the summary writer get
+    # the cache viewed as e4m3 and the layer's scales; FA3 gets the prefill
+    # rows' query quantized to e4m3 with q_scale (and reads q_scale as its
+    # q_descale: supports_quant_query_input is on during its call only).
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    mod = moira_module()
+    md = builder.build(0, _cam([1, 1, 5], [100, 64, 5]))
+    with set_current_vllm_config(builder.vllm_config):
+        impl = mod.MoiraImpl(**{**_IMPL_ARGS, "kv_cache_dtype": "fp8"})
+    layer = _Fp8Layer(q_scale=0.5)
+    calls = {}
+
+    def fake_decode(query, kv_cache, summaries, block_table, seq_lens, output, workspace, scale,
+                    write_filled_pages=False, k_scale=None, v_scale=None):  # fmt: skip
+        calls["decode"] = (query.dtype, kv_cache.dtype, kv_cache.data_ptr(), k_scale, v_scale)
+        output.fill_(1)
+
+    def fake_writer(kv_cache, summaries, slot_mapping, k_scale):
+        calls["writer"] = (kv_cache.dtype, k_scale)
+
+    def fake_fa(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
+        calls["fa"] = (query.clone(), self.supports_quant_query_input, kv_cache.dtype)
+        return output.fill_(2)
+
+    monkeypatch.setattr(mod, "moira_decode", fake_decode)
+    monkeypatch.setattr(mod, "write_page_summaries", fake_writer)
+    monkeypatch.setattr(FlashAttentionImpl, "forward", fake_fa)
+    kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.uint8)  # vLLM's fp8 cache storage
+    impl.bind_kv_cache_extras(layer, kv_cache)
+    q = torch.randn(7, 4, 64, dtype=torch.bfloat16)
+    out = torch.zeros(7, 4, 64, dtype=torch.bfloat16)
+    impl.forward(layer, q, q[:, :2], q[:, :2], kv_cache, md, out)
+    impl.release_kv_cache_extras(layer)
+    query_dtype, kv_dtype, kv_ptr, k_scale, v_scale = calls["decode"]
+    assert (query_dtype, kv_dtype, kv_ptr) == (torch.bfloat16, torch.float8_e4m3fn,
+                                              kv_cache.data_ptr())  # fmt: skip
+    assert k_scale is layer._k_scale and v_scale is layer._v_scale
+    assert calls["writer"] == (torch.float8_e4m3fn, layer._k_scale)
+    fa_query, quantized_input, fa_kv_dtype = calls["fa"]
+    assert quantized_input and impl.supports_quant_query_input is False
+    assert fa_kv_dtype == torch.uint8  # FlashAttentionImpl views it as fp8 itself
+    assert fa_query.dtype == torch.float8_e4m3fn and fa_query.shape == (5, 4, 64)
+    torch.testing.assert_close(fa_query.float(), (q[2:].float() / 0.5).to(torch.float8_e4m3fn)
+                               .float())  # fmt: skip
+    assert out[:2].eq(1).all() and out[2:].eq(2).all()
+
+
+def test_fp8_cache_summary_bytes_match_the_allocation(builder, fa3_fp8):
+    # An fp8 cache holds twice the pages of a bf16 one in the same bytes: the
+    # summaries reserved for it are what acquire_summaries allocates.
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker import moira_summaries as ms
+
+    mod = moira_module()
+    with set_current_vllm_config(builder.vllm_config):
+        impl = mod.MoiraImpl(**{**_IMPL_ARGS, "kv_cache_dtype": "fp8"})
+    kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.uint8)
+    summaries = ms.acquire_summaries(kv_cache, impl.moira_config.summary_slots,
+                                     impl.moira_config.summary_dtype)  # fmt: skip
+    try:
+        expected = summaries.numel() * summaries.element_size()
+        assert impl.get_kv_cache_extras_bytes(kv_cache.numel()) == expected
+    finally:
+        ms.release_summaries(ms.summary_key(kv_cache))
+    with pytest.raises(ValueError, match=r"kv_element_bytes must be 2 \(bf16 KV\) or 1"):
+        ms.summary_bytes_for_kv_bytes(1 << 20, 2, "bfloat16", kv_element_bytes=4)
+
+
 def test_bind_kv_cache_extras_warms_up_the_summary_writer(builder, monkeypatch):
     # The writer is compiled when the KV cache is bound (before capture and the
     # first request), on that layer's cache and summaries; a KV-sharing layer
@@ -731,7 +847,7 @@ def test_bind_kv_cache_extras_warms_up_the_summary_writer(builder, monkeypatch):
 
     mod = moira_module()
     seen = []
-    monkeypatch.setattr(mod, "warm_up_summary_writer", lambda kv, s: seen.append((kv, s)))
+    monkeypatch.setattr(mod, "warm_up_summary_writer", lambda kv, s, k: seen.append((kv, s)))
     kv_cache = torch.zeros(16, 2, 64, 128, dtype=torch.bfloat16)
     with set_current_vllm_config(builder.vllm_config):
         impl = mod.MoiraImpl(**_IMPL_ARGS)

@@ -177,10 +177,15 @@ MATRIX = [
      r"\(use --block-size 64", False),
     ("block-32", "llama", {"block_size": 32}, {}, {}, r"block_size=32 .*exactly 64", False),
     ("block-96", "llama", {"block_size": 96}, {}, {}, r"block_size=96 .*exactly 64", False),
-    ("kv-fp8", "llama", {"kv_cache_dtype": "fp8"}, {}, {},
-     r"kv_cache_dtype='fp8' is not supported by MOIRA; supported: 'auto' or 'bfloat16'", False),
     ("kv-fp8-e5m2", "llama", {"kv_cache_dtype": "fp8_e5m2"}, {}, {},
-     r"kv_cache_dtype='fp8_e5m2' .*'auto' or 'bfloat16'", False),
+     r"--kv-cache-dtype fp8_e5m2 \(kv_cache_dtype='fp8_e5m2'\) is not supported by MOIRA; "
+     r"allowed: auto, bfloat16, fp8, fp8_e4m3", True),
+    ("kv-fp8-inc", "llama", {"kv_cache_dtype": "fp8_inc"}, {}, {},
+     r"--kv-cache-dtype fp8_inc .*allowed: auto, bfloat16, fp8, fp8_e4m3", True),
+    ("kv-int8-per-token-head", "llama", {"kv_cache_dtype": "int8_per_token_head"}, {}, {},
+     r"--kv-cache-dtype int8_per_token_head .*allowed: auto, bfloat16, fp8, fp8_e4m3", True),
+    ("kv-nvfp4", "llama", {"kv_cache_dtype": "nvfp4"}, {}, {},
+     r"--kv-cache-dtype nvfp4 .*allowed: auto, bfloat16, fp8, fp8_e4m3", True),
     ("sliding-window", "sliding", {}, {}, {},
      r"sliding-window attention is not supported by MOIRA; only full attention", False),
     ("mla", "llama", {}, {}, {"use_mla": True},
@@ -210,6 +215,8 @@ ACCEPTED = [
     ("default", "llama", {}, {}),
     ("block-128", "llama", {"block_size": 128}, {}),
     ("kv-bf16", "llama", {"kv_cache_dtype": "bfloat16"}, {}),
+    ("kv-fp8", "llama", {"kv_cache_dtype": "fp8"}, {}),
+    ("kv-fp8-e4m3", "llama", {"kv_cache_dtype": "fp8_e4m3"}, {}),
     ("gamma-1", "llama", {}, {"MOIRA_GAMMA": "1"}),
     ("gamma-tiny", "llama", {}, {"MOIRA_GAMMA": "1e-6"}),
     ("fixed-K", "llama", {}, {"MOIRA_SELECTOR": "Fixed", "MOIRA_FIXED_PAGES": "1"}),
@@ -253,10 +260,11 @@ def test_accepted_inputs_select_moira(models, monkeypatch, model, engine_kwargs,
 
 
 def test_matrix_covers_the_issue_list():
-    """Each option of the refusal list is present in the matrix."""
+    """Each option of the refusal list is present in the matrix (fp8 KV, served,
+    is in ACCEPTED; the fp8 formats FA3 cannot read are refused)."""
     ids = {row[0] for row in MATRIX}
     required = {
-        "gamma-0", "gamma-gt1", "selector-name", "K-0", "block-16", "kv-fp8",
+        "gamma-0", "gamma-gt1", "selector-name", "K-0", "block-16", "kv-fp8-e5m2",
         "sliding-window", "mla", "spec-decode", "kv-connector", "sm80", "dtype-fp16",
         "head-96",
     }  # fmt: skip

@@ -40,12 +40,13 @@ def test_rpc_check_summaries_counts_moira_layers():
     moira = moira_module()
     impl = object.__new__(moira.MoiraImpl)
     impl.kv_sharing_target_layer_name = None
+    impl.kv_cache_fp8 = False
     kv = torch.randn(3, 1, 64, 128).to(torch.bfloat16)
     summaries = torch.zeros(3, 1, 2, 64, dtype=torch.bfloat16)
     moira.write_page_summaries(kv, summaries, torch.tensor([64 + 63], dtype=torch.int64))
     impl._summaries = summaries
     impl._summaries_key = None
-    impl._get_summaries = lambda kv_cache: summaries
+    impl._get_summaries = lambda kv_cache, k_scale=None: summaries
     layers = {
         "moira": SimpleNamespace(impl=impl, kv_cache=kv),
         "other": SimpleNamespace(impl=object(), kv_cache=kv),

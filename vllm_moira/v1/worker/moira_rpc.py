@@ -60,7 +60,9 @@ def check_summaries(worker: Any) -> dict[str, int]:
         kv_cache = layer.kv_cache
         if impl._summaries is None or kv_cache.numel() == 0:
             continue
-        found = verify_page_summaries(kv_cache, impl._get_summaries(kv_cache))
+        # An fp8 cache: its e4m3 view and the layer's K scale, as the kernels read it.
+        moira_kv, k_scale, _ = impl._moira_kv(layer, kv_cache)
+        found = verify_page_summaries(moira_kv, impl._get_summaries(kv_cache, k_scale), k_scale)
         out["layers"] += 1
         for key, count in found.items():
             out[key] += count

@@ -124,9 +124,13 @@ def live_summary_bytes() -> int:
 
 
 def summary_bytes_for_kv_bytes(
-    kv_cache_bytes: int, num_slots: int = 2, summary_dtype: str = "bfloat16"
+    kv_cache_bytes: int,
+    num_slots: int = 2,
+    summary_dtype: str = "bfloat16",
+    kv_element_bytes: int = 2,
 ) -> int:
-    """Summary bytes for a bf16 KV view of ``kv_cache_bytes``.
+    """Summary bytes for a KV view of ``kv_cache_bytes`` (bf16: ``kv_element_bytes``
+    2; an fp8 cache, 1, holds twice the pages in the same bytes).
 
     A page holds 64 tokens x 2D bf16 values (K and V) per KV head; its bf16
     summary ``num_slots`` x D bf16 values. So bf16 summaries are exactly
@@ -135,5 +139,10 @@ def summary_bytes_for_kv_bytes(
     hold ``num_slots + 1`` rows of D bytes: ``(num_slots + 1) / 256`` of the KV
     bytes (7/256 for mvar_top4).
     """
+    if kv_element_bytes not in (1, 2):
+        raise ValueError(
+            f"Moira: kv_element_bytes must be 2 (bf16 KV) or 1 (fp8 KV), got {kv_element_bytes!r}"
+        )
     dtype, rows = summary_storage(num_slots, summary_dtype)
-    return -(-kv_cache_bytes * rows * dtype.itemsize // (4 * MOIRA_PAGE_SIZE))
+    page_bytes = 2 * MOIRA_PAGE_SIZE * kv_element_bytes  # per element of D: 64 keys, 64 values
+    return -(-kv_cache_bytes * rows * dtype.itemsize // page_bytes)

@@ -80,6 +80,12 @@ logger = init_logger(__name__)
 MOIRA_SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)
 #: Largest GQA group (query heads per KV head) the kernels support.
 MOIRA_MAX_GROUP_SIZE = 16
+#: vLLM's --kv-cache-dtype values Moira serves: the model's bf16, or fp8
+#: e4m3 ("fp8" is e4m3 on CUDA) with vLLM's per-layer K and V scales, the
+#: fp8 format FA3 serves for the prefill rows. The kernels dequantize (the
+#: stored value times the layer's scale) wherever they read K or V.
+MOIRA_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+MOIRA_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 MOIRA_SELECTORS = ("coverage", "fixed")
 #: How Attend divides the step's page lists among its blocks. "lists": the
 #: paper's Alg. 2, J blocks per (row, KV head), each taking one chunk of its
@@ -509,8 +515,43 @@ def _check_kv_cache(kv_cache: torch.Tensor) -> None:
             "Moira: kv_cache must be [num_blocks, num_kv_heads, 64, 2 * head_size], "
             f"got shape {tuple(kv_cache.shape)}"
         )
-    if kv_cache.dtype != torch.bfloat16:
-        raise ValueError(f"Moira: kv_cache must be bfloat16, got {kv_cache.dtype}")
+    if kv_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(
+            "Moira: kv_cache must be bfloat16 or float8_e4m3fn (an fp8 cache viewed "
+            f"as e4m3, with its k_scale and v_scale), got {kv_cache.dtype}"
+        )
+
+
+def _kv_scale_args(kv_cache: torch.Tensor, **scales: torch.Tensor | None) -> tuple[Any, ...]:
+    """(KV_FP8, then each of ``scales`` as a kernel argument) for ``kv_cache``.
+
+    An fp8 (e4m3) cache needs the layer's scales that the kernel reads
+    (``k_scale``, ``v_scale``): fp32 tensors of one value each (vLLM's
+    ``layer._k_scale`` / ``_v_scale``), read on the device. A bf16 cache
+    takes none; the cache itself is passed as the unread pointers.
+    """
+    _check_kv_cache(kv_cache)  # vLLM's fp8 storage is uint8: it must come as an e4m3 view
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        given = sorted(name for name, scale in scales.items() if scale is not None)
+        if given:
+            raise ValueError(
+                f"Moira: {' / '.join(given)} apply to an fp8 KV cache only, got a "
+                f"{kv_cache.dtype} cache with scales"
+            )
+        return (False, *(kv_cache for _ in scales))
+    for name, scale in scales.items():
+        if scale is None:
+            raise ValueError(
+                f"Moira: an fp8 KV cache needs its {name} (the layer's float32 "
+                "dequantization scale, one value), got None"
+            )
+        if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != kv_cache.device:
+            raise ValueError(
+                f"Moira: {name} must be one float32 value on the cache's device "
+                f"({kv_cache.device}), got {scale.dtype} shape {tuple(scale.shape)} "
+                f"on {scale.device}"
+            )
+    return (True, *scales.values())
 
 
 # ==========================================================================
@@ -544,10 +585,12 @@ def _summarize_page(
     out,  # its summary: [2 + NUM_TOP, HEAD_SIZE] bf16 or int8
     scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
     stride_kv_token,
+    k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # The summary of one full page, from its 64 keys in the cache. Shared by
     # the summary writer (prefill) and Estimate (a decode row's page that its
@@ -558,6 +601,8 @@ def _summarize_page(
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
     # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
     # with its fp32 scale (stored keys then are quantized, not bit copies).
+    # KV_FP8: the summary of the dequantized keys (e4m3 value x k_scale, in
+    # fp32), so that Estimate meets them as it meets bf16 keys.
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     # One flat load of the page's keys, reshaped, so the register layout (and
@@ -567,6 +612,8 @@ def _summarize_page(
     flat = tl.arange(0, PAGE_SIZE * HEAD_SIZE)
     keys = tl.load(page_keys + (flat // HEAD_SIZE) * stride_kv_token + flat % HEAD_SIZE)
     keys = tl.reshape(keys, (PAGE_SIZE, HEAD_SIZE)).to(tl.float32)
+    if KV_FP8:
+        keys = keys * k_scale
     mean = tl.sum(keys, axis=0) / PAGE_SIZE
     centered = keys - mean[None, :]
     if NUM_TOP == 0:
@@ -583,6 +630,8 @@ def _summarize_page(
             top = tl.min(tl.where(dist == peak, offs_t, PAGE_SIZE), axis=0)
             top = tl.minimum(top, PAGE_SIZE - 1)  # NaN keys: stay in the page
             key = tl.load(page_keys + top * stride_kv_token + offs_d).to(tl.float32)
+            if KV_FP8:
+                key = key * k_scale
             _store_summary_slot(out, scales, 2 + j, key, HEAD_SIZE, INT8)
             chosen = offs_t == top
             dist = tl.where(chosen, float("-inf"), dist)
@@ -603,10 +652,11 @@ def _summarize_page(
 # either (Triton specializes integers equal to 1 or divisible by 16).
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def kernel_moira_write_summaries(
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
     summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
     scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
+    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
     num_tokens,
     stride_kv_block: tl.int64,
     stride_kv_head: tl.int64,
@@ -620,6 +670,7 @@ def kernel_moira_write_summaries(
     WINDOW_TOKENS: tl.constexpr,
     NUM_TOP: tl.constexpr = 0,
     INT8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -638,6 +689,9 @@ def kernel_moira_write_summaries(
     tokens = window * WINDOW_TOKENS + offs
     slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1)
     fills = (slots >= 0) & (slots % PAGE_SIZE == PAGE_SIZE - 1)
+    k_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
     for _ in range(tl.sum(fills.to(tl.int32), axis=0)):
         first = tl.min(tl.where(fills, offs, WINDOW_TOKENS), axis=0)
         slot = tl.sum(tl.where(offs == first, slots, 0), axis=0)
@@ -647,12 +701,15 @@ def kernel_moira_write_summaries(
             kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
             summaries_ptr + block * stride_sum_block + head * stride_sum_head,
             scales_ptr + block * stride_scale_block + head * stride_scale_head,
-            stride_kv_token, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+            stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8,
         )  # fmt: skip
 
 
 def write_page_summaries(
-    kv_cache: torch.Tensor, summaries: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    summaries: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
@@ -666,10 +723,13 @@ def write_page_summaries(
     same bits (the per-channel sums are reduced in the order of the warps'
     layout, and int8 scales keep every fp32 bit of it). Graph-safe: the grid
     is the number of tokens over WRITER_LAUNCH["window_tokens"]; no host sync.
+    An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` (the layer's fp32 scale, one
+    value): the summaries are those of the dequantized keys.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
+    kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
     head_size = kv_cache.shape[-1] // 2
     num_slots, scales = _summary_layout(summaries)
     num_top = num_slots - 2
@@ -691,6 +751,7 @@ def write_page_summaries(
         summaries,
         scales,
         slot_mapping,
+        k_scale_arg,
         num_tokens,
         kv_cache.stride(0),
         kv_cache.stride(1),
@@ -704,12 +765,15 @@ def write_page_summaries(
         WINDOW_TOKENS=window_tokens,
         NUM_TOP=num_top,
         INT8=summaries.dtype == torch.int8,
+        KV_FP8=kv_fp8,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_dependent_launch(),
     )
 
 
-def rebuild_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> None:
+def rebuild_page_summaries(
+    kv_cache: torch.Tensor, summaries: torch.Tensor, k_scale: torch.Tensor | None = None
+) -> None:
     """Summarize every page of the cache from the keys it holds now.
 
     For a cache filled without the backend (a KV connector or offload loading
@@ -720,10 +784,13 @@ def rebuild_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> N
     over the cache; not for the decode step.
     """
     last_slots = torch.arange(kv_cache.shape[0], dtype=torch.int64, device=kv_cache.device)
-    write_page_summaries(kv_cache, summaries, last_slots * MOIRA_PAGE_SIZE + (MOIRA_PAGE_SIZE - 1))
+    last_slots = last_slots * MOIRA_PAGE_SIZE + (MOIRA_PAGE_SIZE - 1)
+    write_page_summaries(kv_cache, summaries, last_slots, k_scale)
 
 
-def warm_up_summary_writer(kv_cache: torch.Tensor, summaries: torch.Tensor) -> None:
+def warm_up_summary_writer(
+    kv_cache: torch.Tensor, summaries: torch.Tensor, k_scale: torch.Tensor | None = None
+) -> None:
     """Compile the summary writer for this cache and summary layout now.
 
     The writer first runs on the first request's prefill (vLLM's profiling run
@@ -735,10 +802,12 @@ def warm_up_summary_writer(kv_cache: torch.Tensor, summaries: torch.Tensor) -> N
     if not kv_cache.is_cuda or kv_cache.numel() == 0:
         return
     padding = torch.full((1,), -1, dtype=torch.int64, device=kv_cache.device)
-    write_page_summaries(kv_cache, summaries, padding)
+    write_page_summaries(kv_cache, summaries, padding, k_scale)
 
 
-def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> dict[str, int]:
+def verify_page_summaries(
+    kv_cache: torch.Tensor, summaries: torch.Tensor, k_scale: torch.Tensor | None = None
+) -> dict[str, int]:
     """Every page whose summary was written (any nonzero byte, over all KV
     heads) summarized again from the keys now in the cache, into a fresh
     buffer (``write_page_summaries``), and compared:
@@ -755,7 +824,7 @@ def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> di
         return {"pages": 0, "mismatched": 0, "beyond_rounding": 0}
     fresh = torch.zeros_like(summaries)
     last_slots = blocks.to(torch.int64) * MOIRA_PAGE_SIZE + MOIRA_PAGE_SIZE - 1
-    write_page_summaries(kv_cache, fresh, last_slots)
+    write_page_summaries(kv_cache, fresh, last_slots, k_scale)
     got, want = summaries[blocks], fresh[blocks]
     mismatched = (got != want).flatten(1).any(dim=1)
     num_slots, _ = _summary_layout(summaries)
@@ -779,6 +848,15 @@ def verify_page_summaries(kv_cache: torch.Tensor, summaries: torch.Tensor) -> di
 # Estimate (Eq. 2)
 # ==========================================================================
 @triton.jit
+def _fp16_query(q):
+    # The bf16 query for products with fp8 K/V pages, which are converted to
+    # fp16 (e4m3 -> fp16 is one exact conversion per two values; to bf16 it
+    # takes three). bf16 values are exact in fp16 over its normal range; the
+    # clamp only keeps an absurd query finite, as Estimate's q_f16.
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _exact_page_logmass(
     q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
     scale,
@@ -789,8 +867,10 @@ def _exact_page_logmass(
     stride_kv_block,
     stride_kv_head,
     stride_kv_token,
+    k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # log sum_k exp(s q.k) over the page's valid tokens, for every query head.
     offs_t = tl.arange(0, PAGE_SIZE)
@@ -805,7 +885,12 @@ def _exact_page_logmass(
         mask=mask_t[:, None],
         other=0.0,
     )
-    logits = tl.dot(keys, tl.trans(q)) * scale  # [PAGE_SIZE, GROUP_ROWS]
+    if KV_FP8:
+        # Dequantized keys: the e4m3 values meet q in fp16 (_fp16_query), in
+        # which both are exact, and k_scale joins the softmax scale.
+        logits = tl.dot(keys.to(tl.float16), tl.trans(_fp16_query(q))) * (scale * k_scale)
+    else:
+        logits = tl.dot(keys, tl.trans(q)) * scale  # [PAGE_SIZE, GROUP_ROWS]
     logits = tl.where(mask_t[:, None], logits, float("-inf"))
     peak = tl.max(logits, axis=0)
     return peak + tl.log(tl.sum(tl.exp(logits - peak[None, :]), axis=0))
@@ -1067,7 +1152,7 @@ def _summary_tile_logmass(
 @triton.jit
 def kernel_moira_estimate(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
     summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
     scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
     block_table_ptr,  # [num_rows, max_blocks] int32
@@ -1075,6 +1160,7 @@ def kernel_moira_estimate(
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
     selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (if SKIP_DENSE_ROWS)
     list_pages_ptr,  # [1] int32: the step's pages in all lists (zeroed, if RESET_LIST_PAGES)
+    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
     scale,
     stride_q_row: tl.int64,
     stride_q_head: tl.int64,
@@ -1103,6 +1189,7 @@ def kernel_moira_estimate(
     INT8_CONVERT: tl.constexpr = 0,
     RESET_LIST_PAGES: tl.constexpr = False,
     WRITE_FILLED_PAGE: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -1130,6 +1217,9 @@ def kernel_moira_estimate(
     tile = z - 2
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
+    k_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
     if WRITE_FILLED_PAGE:
         # The decode step's summary writer, folded in (one launch fewer per
         # layer): when the row's new token is its page's 64th, the program of
@@ -1143,7 +1233,7 @@ def kernel_moira_estimate(
                 kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
                 summaries_ptr + block * stride_sum_block + head * stride_sum_head,
                 scales_ptr + block * stride_scale_block + head * stride_scale_head,
-                stride_kv_token, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+                stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8,
             )  # fmt: skip
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
@@ -1216,7 +1306,8 @@ def kernel_moira_estimate(
         num_valid = tl.minimum(seq_len - page * PAGE_SIZE, PAGE_SIZE)
         exact = _exact_page_logmass(
             q, scale, kv_cache_ptr, block, head, num_valid,
-            stride_kv_block, stride_kv_head, stride_kv_token, HEAD_SIZE, PAGE_SIZE,
+            stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE,
+            KV_FP8,
         )  # fmt: skip
         tl.store(lm_row + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
@@ -1233,6 +1324,7 @@ def estimate_page_logmass(
     selector_params: torch.Tensor | None = None,
     list_pages: torch.Tensor | None = None,
     write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
@@ -1245,7 +1337,10 @@ def estimate_page_logmass(
     for Select to sum the step's list lengths into. ``write_filled_pages``:
     also write the summary of each row's current page whose 64 tokens are
     all in (``seq_len % 64 == 0``), as ``write_page_summaries`` does for its
-    last slot: the decode step's summary write, without a launch of its own."""
+    last slot: the decode step's summary write, without a launch of its own.
+    An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` (the layer's fp32 scale, one
+    value): the exact pages read the dequantized keys."""
+    kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
     num_slots, scales = _summary_layout(summaries)
@@ -1277,6 +1372,7 @@ def estimate_page_logmass(
         logmass if selector_params is None else selector_params,
         # Unwritten when RESET_LIST_PAGES is False.
         seq_lens if list_pages is None else list_pages,
+        k_scale_arg,
         scale,
         query.stride(0),
         query.stride(1),
@@ -1305,6 +1401,7 @@ def estimate_page_logmass(
         INT8_CONVERT=int8_convert,
         RESET_LIST_PAGES=list_pages is not None,
         WRITE_FILLED_PAGE=write_filled_pages,
+        KV_FP8=kv_fp8,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
         **_dependent_launch(),
@@ -1721,13 +1818,15 @@ def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
 @triton.jit
 def _attend_list_pages(
     q_row_ptr,  # [num_q_heads, HEAD_SIZE] bf16: the row's query
-    kv_head_ptr,  # [num_blocks, ., PAGE_SIZE, 2 * HEAD_SIZE] bf16: the KV head's pages
+    kv_head_ptr,  # [num_blocks, ., PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8): its pages
     block_table_row_ptr,  # [max_blocks] int32: the row's block table
     pages_ptr,  # [max_pages] int32: the (row, KV head)'s page list
     seq_len,
     start,
     end,
     scale,
+    k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
+    v_scale,  # fp32 scalar: the layer's V dequantization scale (if KV_FP8)
     q_heads,
     mask_g,
     stride_q_head,
@@ -1736,9 +1835,14 @@ def _attend_list_pages(
     GROUP_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Online softmax of the G query heads over list entries [start, end):
     # returns the unnormalized output, the running max (base 2) and sum.
+    # KV_FP8: the pages' e4m3 K and V are converted to fp16 (exact) and meet
+    # q and p in fp16; the layer's scales are per tensor, so k_scale joins the
+    # softmax scale and v_scale multiplies the chunk's output once, which is
+    # attention over the dequantized K and V.
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     q = tl.load(
@@ -1747,6 +1851,9 @@ def _attend_list_pages(
         other=0.0,
     )
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    if KV_FP8:
+        q = _fp16_query(q)
+        qk_scale = qk_scale * k_scale
 
     running_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_ROWS], tl.float32)
@@ -1758,6 +1865,9 @@ def _attend_list_pages(
         tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
         k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(mask_t[None, :], s, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(s, axis=1))
@@ -1766,13 +1876,15 @@ def _attend_list_pages(
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
+    if KV_FP8:
+        acc = acc * v_scale
     return acc, running_max, running_sum
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_moira_attend(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
@@ -1781,6 +1893,8 @@ def kernel_moira_attend(
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, 1-chunk rows)
     partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32 (out)
     partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32 (out)
+    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
+    v_scale_ptr,  # [1] fp32: the layer's V dequantization scale (if KV_FP8)
     scale,
     num_splits,
     min_chunk_pages,
@@ -1800,6 +1914,7 @@ def kernel_moira_attend(
     GROUP_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -1825,13 +1940,18 @@ def kernel_moira_attend(
     q_heads = head * GROUP_SIZE + offs_g
     start = split * chunk
     end = tl.minimum(start + chunk, n)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     acc, running_max, running_sum = _attend_list_pages(
         query_ptr + row * stride_q_row,
         kv_cache_ptr + head * stride_kv_head,
         block_table_ptr + row * stride_bt_row,
         page_list_ptr + row * stride_pl_row + head * stride_pl_head,
-        seq_len, start, end, scale, q_heads, mask_g, stride_q_head, stride_kv_block,
-        stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE,
+        seq_len, start, end, scale, k_scale, v_scale, q_heads, mask_g, stride_q_head,
+        stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, KV_FP8,
     )  # fmt: skip
 
     acc = acc / running_sum[:, None]
@@ -1889,7 +2009,7 @@ def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, p
 @triton.jit(do_not_specialize=["num_lists", "num_blocks"])
 def kernel_moira_attend_pages(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
@@ -1898,6 +2018,8 @@ def kernel_moira_attend_pages(
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, lists of one part)
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32 (out)
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32 (out)
+    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
+    v_scale_ptr,  # [1] fp32: the layer's V dequantization scale (if KV_FP8)
     scale,
     list_start_ptr,  # [max_rows * num_kv_heads] int32 (out): each list's first step position
     num_kv_heads,
@@ -1919,6 +2041,7 @@ def kernel_moira_attend_pages(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     LISTS_TILE: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -1944,6 +2067,11 @@ def kernel_moira_attend_pages(
     offs_g = tl.arange(0, GROUP_ROWS)
     offs_d = tl.arange(0, HEAD_SIZE)
     mask_g = offs_g < GROUP_SIZE
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     while (position < end) & (lst < num_lists):
         row = lst // num_kv_heads
         head = lst % num_kv_heads
@@ -1959,8 +2087,9 @@ def kernel_moira_attend_pages(
                 kv_cache_ptr + head * stride_kv_head,
                 block_table_ptr + row * stride_bt_row,
                 page_list_ptr + row * stride_pl_row + head * stride_pl_head,
-                tl.load(seq_lens_ptr + row), lo, hi, scale, q_heads, mask_g, stride_q_head,
-                stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE,
+                tl.load(seq_lens_ptr + row), lo, hi, scale, k_scale, v_scale, q_heads, mask_g,
+                stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE,
+                PAGE_SIZE, KV_FP8,
             )  # fmt: skip
             acc = acc / running_sum[:, None]
             if (lo == 0) & (hi == n):
@@ -2114,6 +2243,8 @@ def attend(
     workspace: MoiraWorkspace,
     scale: float,
     list_pages: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attend + Merge over any selector's page lists.
 
@@ -2125,11 +2256,14 @@ def attend(
     ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
     leaves it in ``workspace.list_pages``; None sums the counts here (one
     reduction on the device, into ``workspace.list_pages``).
+    An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` and ``v_scale`` (the layer's
+    fp32 scales, one value each): attention over the dequantized K and V.
     """
     config = workspace.config
     num_rows, num_q_heads, head_size = query.shape
     if num_rows == 0:
         return
+    kv_scale_args = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
     if num_rows > workspace.max_num_seqs:
         raise ValueError(
             f"Moira: {num_rows} decode rows exceed the workspace's "
@@ -2142,7 +2276,7 @@ def attend(
                   out=list_pages[0])  # fmt: skip
     attend_args, attend_strides, attend_keywords = _attend_arguments(
         query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-        workspace, scale,
+        workspace, scale, kv_scale_args,
     )  # fmt: skip
     merge_args, merge_strides, merge_keywords = _merge_arguments(
         page_count, list_pages, output, workspace, num_kv_heads
@@ -2186,14 +2320,18 @@ def _attend_arguments(
     output: torch.Tensor,
     workspace: MoiraWorkspace,
     scale: float,
+    kv_scale_args: tuple[Any, ...],
 ) -> tuple[tuple, tuple, dict[str, Any]]:
     """What both Attend kernels take, in their order: (leading arguments,
     strides, constexprs and launch options). The schedule's own arguments go
-    between the first two."""
+    between the first two. ``kv_scale_args``: ``_kv_scale_args`` of the cache
+    and its K and V scales."""
     num_q_heads, head_size = query.shape[1], query.shape[2]
     group_size = num_q_heads // kv_cache.shape[1]
+    kv_fp8, k_scale_arg, v_scale_arg = kv_scale_args
     leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-               workspace.partial_out, workspace.partial_lse, scale)  # fmt: skip
+               workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg,
+               scale)  # fmt: skip
     strides = (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
                kv_cache.stride(2), block_table.stride(0), page_list.stride(0),
                page_list.stride(1), page_count.stride(0), output.stride(0),
@@ -2203,6 +2341,7 @@ def _attend_arguments(
         GROUP_ROWS=_group_rows(group_size),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
+        KV_FP8=kv_fp8,
         num_warps=ATTEND_LAUNCH["num_warps"],
         num_stages=ATTEND_LAUNCH["num_stages"],
         **_dependent_launch(),
@@ -2429,9 +2568,10 @@ def estimate_and_select(
     workspace: MoiraWorkspace,
     scale: float,
     write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """Estimate + Select: fills ``workspace.page_list`` / ``page_count``
-    (``write_filled_pages``: see ``estimate_page_logmass``)."""
+    (``write_filled_pages``, ``k_scale``: see ``estimate_page_logmass``)."""
     num_rows = query.shape[0]
     if num_rows == 0:
         return
@@ -2456,6 +2596,7 @@ def estimate_and_select(
         workspace.selector_params,
         list_pages=workspace.list_pages,
         write_filled_pages=write_filled_pages,
+        k_scale=k_scale,
     )
     select_pages(
         workspace.logmass,
@@ -2482,6 +2623,8 @@ def moira_decode(
     workspace: MoiraWorkspace,
     scale: float,
     write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """One layer's sparse decode: Estimate -> Select -> Attend -> Merge.
 
@@ -2493,10 +2636,15 @@ def moira_decode(
     ``write_filled_pages``: also summarize each row's page that its new token
     filled (the backend's decode step; off for callers whose summaries are
     already written, e.g. benchmarks replaying one step).
+    ``kv_cache`` is bf16, or fp8 e4m3 (vLLM's fp8 cache viewed as
+    ``torch.float8_e4m3fn``) with the layer's ``k_scale`` and ``v_scale``
+    (fp32, one value each, read on the device): every kernel then reads the
+    dequantized K and V (stored value x scale). The query stays bf16.
     """
     _check_kv_cache(kv_cache)
+    _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)  # refuse before any launch
     estimate_and_select(query, kv_cache, summaries, block_table, seq_lens, workspace, scale,
-                        write_filled_pages)  # fmt: skip
+                        write_filled_pages, k_scale)  # fmt: skip
     attend(
         query,
         kv_cache,
@@ -2508,6 +2656,8 @@ def moira_decode(
         workspace,
         scale,
         list_pages=workspace.list_pages,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -2553,6 +2703,9 @@ def _unsupported_vllm_config_reasons(vllm_config: VllmConfig) -> list[str]:
             "externally loaded KV blocks carry no page summaries"
         )
     cache_config = vllm_config.cache_config
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
+    if cache_dtype not in MOIRA_KV_CACHE_DTYPES:
+        reasons.append(unsupported_kv_cache_dtype_message(cache_dtype))
     if getattr(cache_config, "kv_offloading_size", None):
         reasons.append(
             "KV cache offloading (kv_offloading_size) is not supported by "
@@ -2594,6 +2747,16 @@ def _unsupported_vllm_config_reasons(vllm_config: VllmConfig) -> list[str]:
                 "MOIRA; only full-attention decoder models are supported"
             )
     return reasons
+
+
+def unsupported_kv_cache_dtype_message(kv_cache_dtype: Any) -> str:
+    """The refusal of a --kv-cache-dtype that Moira does not serve."""
+    allowed = ", ".join(MOIRA_KV_CACHE_DTYPES)
+    return (
+        f"--kv-cache-dtype {kv_cache_dtype} (kv_cache_dtype={kv_cache_dtype!r}) is not "
+        f"supported by MOIRA; allowed: {allowed} (fp8 is e4m3 with the layers' K/V "
+        "scales, the fp8 format FA3 reads)"
+    )
 
 
 def check_vllm_config_for_moira(vllm_config: VllmConfig | None) -> None:
@@ -2888,7 +3051,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
 # Backend
 # --------------------------------------------------------------------------
 class MoiraBackend(FlashAttentionBackend):
-    """Sparse decode (Moira kernels) + FA3 prefill, for SM90 and bf16 KV.
+    """Sparse decode (Moira kernels) + FA3 prefill, for SM90, bf16 or fp8 KV.
 
     Subclasses FlashAttentionBackend to inherit the KV cache spec/layout and
     the FA3 prefill path; every capability FA advertises beyond Moira's is
@@ -2896,7 +3059,7 @@ class MoiraBackend(FlashAttentionBackend):
     """
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(MOIRA_KV_CACHE_DTYPES)
     # The layer scatters K/V through do_kv_cache_update before forward();
     # forward() then writes the page summaries (prefill: the writer kernel;
     # decode rows: Estimate).
@@ -3040,10 +3203,7 @@ class MoiraBackend(FlashAttentionBackend):
                 "is supported (--dtype bfloat16)"
             )
         if not cls.supports_kv_cache_dtype(kv_cache_dtype):
-            r.append(
-                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by MOIRA; "
-                "supported: 'auto' or 'bfloat16' (no fp8/quantized KV cache)"
-            )
+            r.append(unsupported_kv_cache_dtype_message(kv_cache_dtype))
         if block_size is not None and block_size % MOIRA_PAGE_SIZE != 0:
             r.append(
                 f"block_size={block_size} is not supported by MOIRA; the kernel "
@@ -3116,7 +3276,9 @@ class MoiraBackend(FlashAttentionBackend):
             r.append(str(e))
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is not None:
-            r.extend(_unsupported_vllm_config_reasons(vllm_config))
+            # The engine-wide reasons, less those the flags above gave already
+            # (the cache dtype is both a selector flag and a config field).
+            r.extend(x for x in _unsupported_vllm_config_reasons(vllm_config) if x not in r)
         return r
 
 
@@ -3166,11 +3328,8 @@ class MoiraImpl(FlashAttentionImpl):
             raise ValueError(
                 f"MOIRA supports decoder self-attention only, got attn_type={attn_type!r}"
             )
-        if kv_cache_dtype not in ("auto", "bfloat16"):
-            raise ValueError(
-                f"MOIRA needs a bfloat16 KV cache, got kv_cache_dtype="
-                f"{kv_cache_dtype!r}; use 'auto' or 'bfloat16'"
-            )
+        if kv_cache_dtype not in MOIRA_KV_CACHE_DTYPES:
+            raise ValueError(unsupported_kv_cache_dtype_message(kv_cache_dtype))
         if head_size not in MOIRA_SUPPORTED_HEAD_SIZES:
             raise ValueError(
                 f"MOIRA supports head sizes {list(MOIRA_SUPPORTED_HEAD_SIZES)}, got {head_size}"
@@ -3190,8 +3349,60 @@ class MoiraImpl(FlashAttentionImpl):
             kv_sharing_target_layer_name,
             sinks,
         )
+        #: vLLM's fp8 cache (uint8 storage of e4m3 values): the kernels read it
+        #: through an e4m3 view, with the layer's K and V scales.
+        self.kv_cache_fp8 = kv_cache_dtype in MOIRA_FP8_KV_CACHE_DTYPES
+        # On an fp8 cache vLLM's attention layer would quantize the query to
+        # e4m3 before forward() for FA3 (which takes q, K and V in one element
+        # type). Moira's decode reads the bf16 query instead, a product of bf16
+        # q with the dequantized keys; the rows FA3 serves get their query
+        # quantized here (_flash_attention), as the layer would have.
+        self.supports_quant_query_input = False
+        self._fa3_query_quant: Any = None
+        if self.kv_cache_fp8:
+            from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+            from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+            # The layer's own quantizer for FA (static, per tensor, q_scale).
+            self._fa3_query_quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
         self._summaries: torch.Tensor | None = None
         self._summaries_key: tuple | None = None
+
+    def _moira_kv(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[Any, ...]:
+        """(cache view, K scale, V scale) as the Moira kernels read them: the
+        bf16 cache and no scales, or the fp8 cache viewed as e4m3 and the
+        layer's scales (fp32 device tensors, so graphs replay with their
+        current values)."""
+        if not self.kv_cache_fp8:
+            return kv_cache, None, None
+        return kv_cache.view(torch.float8_e4m3fn), layer._k_scale, layer._v_scale
+
+    def _flash_attention(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """FlashAttentionImpl.forward on the rows that FA3 serves (prefill
+        rows, dense steps). On an fp8 cache the bf16 query is quantized to
+        e4m3 with the layer's q_scale first, and FA3 gets q_scale as its
+        q_descale: FA3's fp8 path exactly as with FLASH_ATTN."""
+        if not self.kv_cache_fp8:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        num_tokens = query.shape[0]
+        query_fp8, _ = self._fa3_query_quant(query.reshape(num_tokens, -1), layer._q_scale)
+        query_fp8 = query_fp8.view(query.shape)
+        # FlashAttentionImpl.forward passes layer._q_scale as q_descale only
+        # when its query arrives quantized; this one does.
+        self.supports_quant_query_input = True
+        try:
+            return super().forward(layer, query_fp8, key, value, kv_cache, attn_metadata, output)
+        finally:
+            self.supports_quant_query_input = False
 
     # ---- KV-cache extras hook (patch 0003) --------------------------------
     def bind_kv_cache_extras(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> None:
@@ -3204,7 +3415,8 @@ class MoiraImpl(FlashAttentionImpl):
         if self.kv_sharing_target_layer_name is None:
             # Before capture and before the first request (Triton caches the
             # compiled kernel: the other layers' calls are plain launches).
-            warm_up_summary_writer(kv_cache, self._summaries)
+            moira_kv, k_scale, _ = self._moira_kv(layer, kv_cache)
+            warm_up_summary_writer(moira_kv, self._summaries, k_scale)
 
     def release_kv_cache_extras(self, layer: torch.nn.Module) -> None:
         if self._summaries_key is not None:
@@ -3216,7 +3428,10 @@ class MoiraImpl(FlashAttentionImpl):
         if self.kv_sharing_target_layer_name is not None:
             return 0  # shares the target layer's KV view and summaries
         return summary_bytes_for_kv_bytes(
-            kv_cache_bytes, self.moira_config.summary_slots, self.moira_config.summary_dtype
+            kv_cache_bytes,
+            self.moira_config.summary_slots,
+            self.moira_config.summary_dtype,
+            kv_element_bytes=1 if self.kv_cache_fp8 else 2,
         )
 
     def get_shared_kv_cache_extras_bytes(self) -> dict[str, int]:
@@ -3229,12 +3444,15 @@ class MoiraImpl(FlashAttentionImpl):
             )
         }
 
-    def _get_summaries(self, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _get_summaries(
+        self, kv_cache: torch.Tensor, k_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Summaries for this KV view. Normally bound by the worker hook, before
         anything is written to the cache. Acquired here instead (a vLLM without
         patch 0003, or a caller that drives the impl directly, as vLLM's backend
         tests do), the cache may already hold pages written behind the backend's
-        back: their summaries are rebuilt from the keys."""
+        back: their summaries are rebuilt from the keys (an fp8 cache: with the
+        layer's ``k_scale``)."""
         key = summary_key(kv_cache)
         if self._summaries is not None and self._summaries_key == key:
             return self._summaries
@@ -3251,7 +3469,8 @@ class MoiraImpl(FlashAttentionImpl):
         )
         self._summaries_key = key
         if kv_cache.numel() > 0:
-            rebuild_page_summaries(kv_cache, self._summaries)
+            moira_kv = kv_cache.view(torch.float8_e4m3fn) if self.kv_cache_fp8 else kv_cache
+            rebuild_page_summaries(moira_kv, self._summaries, k_scale)
         return self._summaries
 
     # ---- forward -------------------------------------------------------------
@@ -3279,6 +3498,7 @@ class MoiraImpl(FlashAttentionImpl):
         # Layers that share another layer's KV cache neither scatter keys nor
         # write its summaries (the target layer does both).
         writes_summaries = self.kv_sharing_target_layer_name is None
+        moira_kv, k_scale, v_scale = self._moira_kv(layer, kv_cache)
         dense_step = attn_metadata.dense_step
         if dense_step is not None:
             # Every row is read whole: FA3 decodes the batch. The pages that
@@ -3286,9 +3506,12 @@ class MoiraImpl(FlashAttentionImpl):
             # steps in which these rows are no longer dense.
             if attn_metadata.dense_step_fills_pages and writes_summaries and kv_cache.numel() > 0:
                 write_page_summaries(
-                    kv_cache, self._get_summaries(kv_cache), dense_step.slot_mapping
+                    moira_kv,
+                    self._get_summaries(kv_cache, k_scale),
+                    dense_step.slot_mapping,
+                    k_scale,
                 )
-            return super().forward(layer, query, key, value, kv_cache, dense_step, output)
+            return self._flash_attention(layer, query, key, value, kv_cache, dense_step, output)
 
         # Padded FULL-graph batches may have more (padded) rows than real
         # tokens; the runner's buffers are padded to the graph size.
@@ -3298,8 +3521,8 @@ class MoiraImpl(FlashAttentionImpl):
             # No host sync: lengths and tables are read on device.
             moira_decode(
                 query[:nd].view(nd, self.num_heads, self.head_size),
-                kv_cache,
-                self._get_summaries(kv_cache),
+                moira_kv,
+                self._get_summaries(kv_cache, k_scale),
                 attn_metadata.decode_block_table,
                 attn_metadata.decode_seq_lens,
                 output[:nd].view(nd, self.num_heads, self.head_size),
@@ -3308,17 +3531,21 @@ class MoiraImpl(FlashAttentionImpl):
                 # The pages that the decode rows' new tokens filled are
                 # summarized by Estimate (no writer launch in the decode step).
                 write_filled_pages=writes_summaries,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         prefill = attn_metadata.prefill
         if prefill is not None:
             if writes_summaries and kv_cache.numel() > 0:
                 # The prefill tokens' full pages, after the scatter
                 # (do_kv_cache_update ran before forward).
-                write_page_summaries(kv_cache, self._get_summaries(kv_cache), prefill.slot_mapping)
+                write_page_summaries(
+                    moira_kv, self._get_summaries(kv_cache, k_scale), prefill.slot_mapping, k_scale
+                )
             ndt = attn_metadata.num_decode_tokens
             # FA3 on the prefill slice only (its metadata was built for the
             # sliced batch); the decode rows' output is left as Moira wrote it.
-            super().forward(
+            self._flash_attention(
                 layer,
                 query[ndt:],
                 key[ndt:],

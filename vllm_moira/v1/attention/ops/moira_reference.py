@@ -12,6 +12,9 @@ Conventions shared with the kernels:
   strides); K is ``[..., :D]`` and V is ``[..., D:]``.
 - ``summaries`` is ``[num_blocks, H_kv, 2, D]``: per-channel mean and
   (population) variance of the 64 keys of a page.
+- An fp8 cache (vLLM's ``--kv-cache-dtype fp8``, e4m3 with per-layer K and V
+  scales) is compared through :func:`dequantize_kv_cache`: every function
+  here then runs on the values the kernels compute with.
 - Query head ``i`` attends with KV head ``i // G``.
 - Page lists hold *logical* page indices ``0 .. n_pages - 1`` of the row; the
   physical block is ``block_table[row, page]``. Page 0 is the sink, page
@@ -26,6 +29,38 @@ from collections.abc import Sequence
 import torch
 
 PAGE_SIZE = 64
+
+
+# --------------------------------------------------------------------------
+# fp8 KV cache
+# --------------------------------------------------------------------------
+#: Largest finite e4m3 value (vLLM's fp8 KV cache format, ``float8_e4m3fn``).
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_kv_cache_fp8(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """vLLM's fp8 cache write for a ``[..., 2D]`` cache: K / k_scale and
+    V / v_scale, saturated to +-448 and rounded to e4m3 (``torch.float8_e4m3fn``,
+    in the strides of ``kv_cache``: a token- or head-major view stays one)."""
+    head_size = kv_cache.shape[-1] // 2
+    x = kv_cache.float()
+    x = torch.cat([x[..., :head_size] / k_scale, x[..., head_size:] / v_scale], dim=-1)
+    out = torch.empty_like(kv_cache, dtype=torch.float8_e4m3fn)
+    return out.copy_(x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+
+
+def dequantize_kv_cache(
+    kv_cache: torch.Tensor, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor
+) -> torch.Tensor:
+    """An fp8 (e4m3) ``[..., 2D]`` cache as fp32 values: K x k_scale and
+    V x v_scale, what the kernels read from fp8 pages (same shape)."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"expected a float8_e4m3fn cache, got {kv_cache.dtype}")
+    head_size = kv_cache.shape[-1] // 2
+    x = kv_cache.float()
+    x[..., :head_size] *= float(k_scale)
+    x[..., head_size:] *= float(v_scale)
+    return x
 
 
 # --------------------------------------------------------------------------
