@@ -36,6 +36,20 @@ under "breakdown". --batch1 adds contexts 2k..64k at batch 1.
     python benchmarks/bench_tpot.py --merge benchmarks/results/tpot_llama_*.json \\
         --out benchmarks/results/tpot_h200.json
 
+--kv-cache-dtype fp8 runs the engine on vLLM's fp8 KV cache (e4m3, per-layer
+K/V scales; FA3's fp8 path for FLASH_ATTN, and for MOIRA's prefill rows). Its
+rows carry kv_cache_dtype; --merge pairs each Moira row with the dense row of
+its shape and KV dtype ("speedup") and, for fp8, also with the dense bf16 row
+("speedup_vs_dense_bf16"). Dense and Moira, bf16 and fp8, side by side:
+
+    for kv in auto fp8; do for backend in FLASH_ATTN MOIRA; do
+        python benchmarks/bench_tpot.py --model shared/gpu/models/Llama-3.1-8B \
+            --backend $backend --kv-cache-dtype $kv --quick \
+            --out benchmarks/results/tpot_kv_${kv}_${backend}.json
+    done; done
+    python benchmarks/bench_tpot.py --merge benchmarks/results/tpot_kv_*.json \
+        --out benchmarks/results/tpot_fp8_kv_h200.json
+
 --merge also accepts shared/gpu/bench_dense_tpot.py JSON files (dense rows).
 """
 
@@ -274,6 +288,7 @@ def rows_from_file(data: dict) -> tuple[list[dict], dict]:
             continue
         rows.append({
             "model": info.get("model"), "batch": int(r["batch"]), "context": int(r["ctx"]),
+            "kv_cache_dtype": "auto",
             "arm": "dense", "selector": None, "gamma": None, "reads": None,
             "tpot_ms": r["tpot_ms_median"], "steps": r.get("full_decode_steps"),
             "p10_ms": r.get("tpot_ms_p10"), "p90_ms": r.get("tpot_ms_p90"),
@@ -285,23 +300,36 @@ def rows_from_file(data: dict) -> tuple[list[dict], dict]:
 
 
 def speedup_rows(rows: list[dict]) -> list[dict]:
-    """dense / moira TPOT for every Moira row with a dense row of its shape
-    (the first dense row found for a (model, batch, context))."""
+    """dense / moira TPOT for every Moira row with a dense row of its shape and
+    KV cache dtype (the first dense row found for a (model, batch, context,
+    kv_cache_dtype); rows without the field are bf16, "auto"). An fp8 Moira
+    row also gets ``speedup_vs_dense_bf16``, against the dense bf16 row."""
+
+    def key(r, kv_cache_dtype=None):
+        return (r["model"], r["batch"], r["context"],
+                kv_cache_dtype or r.get("kv_cache_dtype", "auto"))  # fmt: skip
+
     dense = {}
     for r in rows:
         if r["arm"] == "dense" and r.get("tpot_ms"):
-            dense.setdefault((r["model"], r["batch"], r["context"]), r)
+            dense.setdefault(key(r), r)
     out = []
     for r in rows:
-        d = dense.get((r["model"], r["batch"], r["context"]))
+        d = dense.get(key(r))
         if r["arm"] == "moira" and d and r.get("tpot_ms"):
-            out.append({
+            row = {
                 "model": r["model"], "batch": r["batch"], "context": r["context"],
+                "kv_cache_dtype": r.get("kv_cache_dtype", "auto"),
                 "selector": r["selector"], "gamma": r["gamma"],
                 "fixed_fraction": r.get("fixed_fraction"), "reads": r["reads"],
                 "dense_ms": d["tpot_ms"], "moira_ms": r["tpot_ms"],
                 "speedup": d["tpot_ms"] / r["tpot_ms"],
-            })  # fmt: skip
+            }  # fmt: skip
+            d_bf16 = dense.get(key(r, "auto"))
+            if row["kv_cache_dtype"] != "auto" and d_bf16:
+                row["dense_bf16_ms"] = d_bf16["tpot_ms"]
+                row["speedup_vs_dense_bf16"] = d_bf16["tpot_ms"] / r["tpot_ms"]
+            out.append(row)
     return out
 
 
@@ -323,7 +351,7 @@ def merge(paths: list[str], out: str) -> dict:
     for path in paths:
         data = json.loads(Path(path).read_text())
         if data.get("greedy"):
-            greedy[data.get("backend")] = data["greedy"]
+            greedy[(data.get("backend"), data.get("kv_cache_dtype", "auto"))] = data["greedy"]
     record = {
         "command": "python benchmarks/bench_tpot.py --merge " + " ".join(paths) + f" --out {out}",
         "gpu": ", ".join(sorted(gpus)),
@@ -332,10 +360,11 @@ def merge(paths: list[str], out: str) -> dict:
         "speedups": speedup_rows(rows),
         "breakdown": breakdown,
     }
-    if "FLASH_ATTN" in greedy and "MOIRA" in greedy:
-        record["greedy_moira_gamma1_vs_dense"] = compare_greedy(
-            greedy["FLASH_ATTN"], greedy["MOIRA"]
-        )
+    for kv_cache_dtype in sorted({kv for _, kv in greedy}):
+        pair = greedy.get(("FLASH_ATTN", kv_cache_dtype)), greedy.get(("MOIRA", kv_cache_dtype))
+        if pair[0] and pair[1]:
+            suffix = "" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}"
+            record[f"greedy_moira_gamma1_vs_dense{suffix}"] = compare_greedy(*pair)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -638,7 +667,8 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
 
 def base_row(ctx, context, batch, arm) -> dict:
     return {
-        "model": ctx["model"], "batch": batch, "context": context, "arm": arm["arm"],
+        "model": ctx["model"], "batch": batch, "context": context,
+        "kv_cache_dtype": ctx.get("kv_cache_dtype", "auto"), "arm": arm["arm"],
         "selector": arm["selector"], "gamma": arm["gamma"],
         "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
         "p10_ms": None, "p90_ms": None,
@@ -649,6 +679,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="shared/gpu/models/Llama-3.1-8B")
     ap.add_argument("--backend", default="MOIRA", choices=["FLASH_ATTN", "MOIRA"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="vLLM's --kv-cache-dtype: auto (bf16) or fp8 (e4m3, per-layer "
+                    "K/V scales)")  # fmt: skip
     ap.add_argument("--shapes", default=None, help=f"CONTEXTxBATCH,... (default {DEFAULT_SHAPES})")
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, --gen 32")
     ap.add_argument("--batch1", action="store_true", help=f"add {BATCH1_SHAPES}")
@@ -711,7 +744,8 @@ def main() -> int:
     overrides = parse_fraction_overrides(a.fixed_fractions)
     family = model_family(a.model)
     model_name = os.path.basename(os.path.normpath(a.model))
-    out = Path(a.out or f"benchmarks/results/tpot_{model_name}_{a.backend.lower()}.json")
+    kv_suffix = "" if a.kv_cache_dtype == "auto" else f"_{a.kv_cache_dtype}"
+    out = Path(a.out or f"benchmarks/results/tpot_{model_name}_{a.backend.lower()}{kv_suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     t_start = time.time()
@@ -750,7 +784,7 @@ def main() -> int:
         model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         block_size=64, max_model_len=max_len, max_num_seqs=max(b for _, b in shapes),
         max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
-        tensor_parallel_size=a.tensor_parallel_size,
+        tensor_parallel_size=a.tensor_parallel_size, kv_cache_dtype=a.kv_cache_dtype,
         gpu_memory_utilization=a.gpu_mem_util, seed=a.seed, attention_config=attn,
         compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
                             "cudagraph_capture_sizes": sizes},
@@ -761,6 +795,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "model": model_name,
         "backend": a.backend,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
         "moira_config": _moira_config_record() if a.backend == "MOIRA" else None,
         "notes": [],
@@ -793,7 +828,8 @@ def main() -> int:
         if selector.note:
             record["notes"].append(selector.note)
             print("WARNING:", selector.note, flush=True)
-    ctx = {"model": model_name, "vocab": int(cfg["vocab_size"]), "num_layers":
+    ctx = {"model": model_name, "kv_cache_dtype": a.kv_cache_dtype,
+           "vocab": int(cfg["vocab_size"]), "num_layers":
            int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,
            "max_model_len": max_len, "breakdown": record["breakdown"]}  # fmt: skip
     write()

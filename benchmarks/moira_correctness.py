@@ -17,6 +17,12 @@ Timing sanity (--timing-json, not a test): Estimate+Select per layer, Attend +
 Merge on the kept pages with their achieved bandwidth, dense FA3, and the
 device-to-device copy rate measured in the same run.
 
+fp8 KV cache (--kv-cache-dtype fp8): the same checks and timings on the cache
+quantized to e4m3 with per-layer K and V scales (amax / 448, as a checkpoint's
+calibration gives them). FA3 runs on the same fp8 cache with its query in e4m3
+(q_scale 1, vLLM's default) and the scales as descales; the float32 reference
+reads the dequantized cache with the bf16 query, as Moira does.
+
 Page-mass estimators (issue 10, --estimators mvar,mvar_rem,mvar_top4): per
 estimator and shape, summaries written by the kernel writer of that estimator
 (checked against the reference on a few pages), Estimate checked against the
@@ -28,6 +34,9 @@ reference on a few rows and Select's lists against the reference lists, and
     python benchmarks/moira_correctness.py --estimators mvar,mvar_rem,mvar_top4 \
         --only-estimators --json benchmarks/results/estimator_kernels_h200.json \
         --timing-json benchmarks/results/estimator_timing_h200.json
+    python benchmarks/moira_correctness.py --kv-cache-dtype fp8 \
+        --json benchmarks/results/correctness_fp8_h200.json \
+        --timing-json benchmarks/results/kernel_timing_fp8_h200.json
 """
 
 from __future__ import annotations
@@ -63,7 +72,11 @@ SCALE = D**-0.5
 # Cases
 # --------------------------------------------------------------------------
 def build_case(batch, context, layout="token_major", pattern="concentrated", seed=0,
-               ragged=True):  # fmt: skip
+               ragged=True, kv_cache_dtype="auto"):  # fmt: skip
+    """A decode batch; ``kv_cache_dtype="fp8"``: its cache quantized to e4m3
+    with per-layer scales (``case["scales"]``, the kernels' k_scale / v_scale)."""
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [context] * batch
     if ragged:  # partial last pages, different per row
@@ -75,12 +88,37 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
     table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen, device="cuda")
     query = torch.randn(batch, HQ, D, device="cuda").to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
+    scales = {}
+    if kv_cache_dtype == "fp8":
+        k_scale = float(kv[..., :D].abs().amax()) / ref.FP8_E4M3_MAX
+        v_scale = float(kv[..., D:].abs().amax()) / ref.FP8_E4M3_MAX
+        kv = ref.quantize_kv_cache_fp8(kv, k_scale, v_scale)
+        scales = {name: torch.tensor([value], dtype=torch.float32, device="cuda")
+                  for name, value in (("k_scale", k_scale), ("v_scale", v_scale))}  # fmt: skip
     # Summaries of the default estimator (MoiraConfig() below); other
     # estimators' summaries: estimator_case().
-    summaries = write_summaries(kv, moira.MoiraConfig().estimator)
+    summaries = write_summaries(kv, moira.MoiraConfig().estimator, k_scale=scales.get("k_scale"))
     seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return dict(kv=kv, summaries=summaries, table=table, seq=seq, query=query,
-                seq_lens=seq_lens, max_pages=max_pages)  # fmt: skip
+                seq_lens=seq_lens, max_pages=max_pages, scales=scales,
+                kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+
+
+def k_scale_of(case):
+    """The kernels' ``k_scale`` argument for the case's cache (None: bf16)."""
+    return case["scales"].get("k_scale")
+
+
+def reference_cache(case):
+    """The cache as the float32 reference reads it: the bf16 cache, or the
+    fp8 cache dequantized (fp32, made once per case)."""
+    if not case["scales"]:
+        return case["kv"]
+    if "kv_dequantized" not in case:
+        case["kv_dequantized"] = ref.dequantize_kv_cache(
+            case["kv"], case["scales"]["k_scale"], case["scales"]["v_scale"]
+        )
+    return case["kv_dequantized"]
 
 
 def split_summary_dtype(name):
@@ -89,13 +127,14 @@ def split_summary_dtype(name):
     return estimator, storage or "bfloat16"
 
 
-def write_summaries(kv, estimator, summary_dtype="bfloat16"):
-    """Summaries of every block of ``kv`` by the kernel writer of ``estimator``."""
+def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
+    """Summaries of every block of ``kv`` by the kernel writer of ``estimator``
+    (an fp8 ``kv``: with its ``k_scale``)."""
     num_blocks = kv.shape[0]
     dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
     summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda", dtype=dtype)
     all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
-    moira.write_page_summaries(kv, summaries, all_last_slots)
+    moira.write_page_summaries(kv, summaries, all_last_slots, k_scale)
     return summaries
 
 
@@ -105,7 +144,7 @@ def estimator_case(case, name):
     if name == case.get("estimator", moira.MoiraConfig().estimator):
         return case
     estimator, summary_dtype = split_summary_dtype(name)
-    summaries = write_summaries(case["kv"], estimator, summary_dtype)
+    summaries = write_summaries(case["kv"], estimator, summary_dtype, k_scale_of(case))
     return dict(case, summaries=summaries, estimator=name)
 
 
@@ -118,37 +157,53 @@ def run_moira(case, config, ws=None):
     ws = ws or workspace(case, config)
     out = torch.full_like(case["query"], float("nan"))
     moira.moira_decode(case["query"], case["kv"], case["summaries"], case["table"],
-                       case["seq"], out, ws, SCALE)  # fmt: skip
+                       case["seq"], out, ws, SCALE, **case["scales"])  # fmt: skip
     torch.cuda.synchronize()
     return out, ws
+
+
+def fa3_kwargs(case):
+    """flash_attn_varlen_func's arguments for one decode step of the case, as
+    vLLM's FlashAttentionImpl passes them (an fp8 cache: the query in e4m3
+    with q_scale 1, vLLM's default, and the layer's scales as descales)."""
+    kv, query = case["kv"], case["query"]
+    batch = query.shape[0]
+    kwargs = dict(
+        q=query, k=kv.transpose(1, 2)[..., :D], v=kv.transpose(1, 2)[..., D:], max_seqlen_q=1,
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        max_seqlen_k=max(case["seq_lens"]), seqused_k=case["seq"],
+        block_table=case["table"], softmax_scale=SCALE, causal=True, fa_version=3,
+    )  # fmt: skip
+    if case["scales"]:
+        descale = (batch, HKV)
+        kwargs.update(
+            q=query.float().clamp(-ref.FP8_E4M3_MAX, ref.FP8_E4M3_MAX).to(torch.float8_e4m3fn),
+            q_descale=torch.ones(descale, dtype=torch.float32, device="cuda"),
+            k_descale=case["scales"]["k_scale"].expand(descale),
+            v_descale=case["scales"]["v_scale"].expand(descale),
+        )
+    return kwargs
 
 
 def fa3_decode(case):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    kv, query = case["kv"], case["query"]
-    key_cache = kv.transpose(1, 2)[..., :D]  # [blocks, 64, H_kv, D] views
-    value_cache = kv.transpose(1, 2)[..., D:]
-    batch = query.shape[0]
-    out = torch.empty_like(query)
-    flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, out=out, max_seqlen_q=1,
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        max_seqlen_k=max(case["seq_lens"]), seqused_k=case["seq"],
-        block_table=case["table"], softmax_scale=SCALE, causal=True, fa_version=3,
-    )  # fmt: skip
+    out = torch.empty_like(case["query"])
+    flash_attn_varlen_func(out=out, **fa3_kwargs(case))
     torch.cuda.synchronize()
     return out
 
 
 #: One bf16 ulp at unit magnitude (2^-8): the paper's bound for gamma=1 vs FA3.
 ONE_BF16_ULP = 3.90625e-3
+#: vLLM's own tolerance for attention on an fp8 KV cache (its backend tests).
+FP8_ATOL, FP8_RTOL = 6e-2, 1e-1
 
 
 def dense_reference_rows(case, rows):
     out = {}
     for row in rows:
-        keys, values = ref.row_keys_values(case["kv"], case["table"][row],
+        keys, values = ref.row_keys_values(reference_cache(case), case["table"][row],
                                            case["seq_lens"][row])  # fmt: skip
         every = [torch.arange(math.ceil(case["seq_lens"][row] / PAGE))] * HKV
         out[row] = ref.attend_pages(case["query"][row], keys, values, every,
@@ -171,9 +226,12 @@ def check_gamma_one(case, config=None):
     rows = [0, batch - 1]
     dense = dense_reference_rows(case, rows)
     return {
+        "kv_cache_dtype": case["kv_cache_dtype"],
         "keeps_every_page": bool(torch.all(counts == pages[:, None])),
         "max_abs_diff_vs_fa3": float((out.float() - fa3.float()).abs().max()),
         "bound_one_bf16_ulp": ONE_BF16_ULP,
+        "fa3_close_at_fp8_tolerance": bool(torch.allclose(out.float(), fa3.float(),
+                                                          atol=FP8_ATOL, rtol=FP8_RTOL)),
         "max_abs_diff_fa3_vs_fp32": max(
             float((fa3[r].float() - dense[r]).abs().max()) for r in rows),
         "max_abs_diff_moira_vs_fp32": max(
@@ -192,7 +250,7 @@ def check_graph_replay(case, gamma=0.98, config=None):
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
 
     def step():
-        moira.moira_decode(*args, out, ws, SCALE)
+        moira.moira_decode(*args, out, ws, SCALE, **case["scales"])
 
     step()  # compile + warm up outside capture
     torch.cuda.synchronize()
@@ -247,7 +305,7 @@ def check_dependent_launches(case, config=None):
     def two_steps():
         for seq, query, out in zip(seqs, queries, outs):
             moira.moira_decode(query, case["kv"], case["summaries"], case["table"], seq, out,
-                               ws, SCALE)  # fmt: skip
+                               ws, SCALE, **case["scales"])  # fmt: skip
 
     def run(replay):
         for out in outs:
@@ -312,10 +370,10 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         seq_len = case["seq_lens"][row]
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(
-            case["query"][row], case["kv"], ref.read_summaries(case["summaries"]),
+            case["query"][row], reference_cache(case), ref.read_summaries(case["summaries"]),
             case["table"][row], seq_len, SCALE, estimator).cpu()  # fmt: skip
         est_err = max(est_err, float((logmass[row, :, :, :n] - expected).abs().max()))
-        keys, values = ref.row_keys_values(case["kv"], case["table"][row], seq_len)
+        keys, values = ref.row_keys_values(reference_cache(case), case["table"][row], seq_len)
         sparse = ref.attend_pages(case["query"][row], keys, values, lists[row],
                                   seq_len, SCALE)[0]  # fmt: skip
         sparse_err = max(sparse_err, float((out[row].float() - sparse).abs().max()))
@@ -342,9 +400,9 @@ def check_estimator_summaries(case, name, num_pages=64):
     blocks = torch.arange(1, 1 + num_pages, device="cuda")
     r = moira.estimator_num_top(estimator)
     if r == 0:
-        expected = ref.summarize_pages(case["kv"], blocks)
+        expected = ref.summarize_pages(reference_cache(case), blocks)
     else:
-        expected = ref.summarize_pages_top(case["kv"], blocks, r)
+        expected = ref.summarize_pages_top(reference_cache(case), blocks, r)
     if summary_dtype == "int8":
         q_ref, scale_ref = ref.quantize_summaries_int8(expected)
         q, scales = ref.split_int8_summaries(case["summaries"][blocks])
@@ -359,7 +417,9 @@ def check_estimator_summaries(case, name, num_pages=64):
     got = case["summaries"][blocks].float()
     same_keys = torch.ones(num_pages, HKV, dtype=torch.bool, device="cuda")
     if r:
-        same_keys = (got[:, :, 2:] == expected[:, :, 2:]).flatten(2).all(-1)
+        # Bit copies of the (dequantized, for fp8) keys, as bf16 stores them.
+        stored = expected[:, :, 2:].to(torch.bfloat16).float()
+        same_keys = (got[:, :, 2:] == stored).flatten(2).all(-1)
     ulp = torch.pow(2.0, torch.floor(torch.log2(expected[:, :, :2].abs().clamp_min(2.0**-126))) - 7)
     rel = ((got[:, :, :2] - expected[:, :, :2]).abs() / ulp).amax(dim=(2, 3))
     return {
@@ -378,11 +438,14 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     ws = workspace(case, config)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    k_scale = k_scale_of(case)
     row = {"estimator": estimator, "summary_dtype": summary_dtype,
            "summary_slots": moira.summary_slots(estimator)}  # fmt: skip
-    row["estimate_select_us"] = graph_time_us(lambda: moira.estimate_and_select(*args, ws, SCALE))
+    row["estimate_select_us"] = graph_time_us(
+        lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
+    )
     row["estimate_us"] = graph_time_us(
-        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)
+        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
     )
     row["select_us"] = graph_time_us(
         lambda: moira.select_pages(
@@ -392,7 +455,7 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     if sweep_launch:
 
         def estimate():
-            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator)
+            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
 
         row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
         estimate()
@@ -413,7 +476,7 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     summaries = case["summaries"]
     slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
     row["write_all_blocks_us"] = graph_time_us(
-        lambda: moira.write_page_summaries(case["kv"], summaries, slots), reps=3, iters=5
+        lambda: moira.write_page_summaries(case["kv"], summaries, slots, k_scale), reps=3, iters=5
     )
     row["blocks"] = int(summaries.shape[0])
     return row
@@ -532,7 +595,7 @@ def sweep_estimate_and_select(case, ws):
     def estimate():
         moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
                                     case["seq"], ws.logmass, SCALE,
-                                    ws.config.estimator)  # fmt: skip
+                                    ws.config.estimator, k_scale=k_scale_of(case))  # fmt: skip
 
     def select():
         moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
@@ -606,8 +669,9 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
                 ws = workspace(case, config)
                 out = torch.full_like(case["query"], float("nan"))
                 rows[f"step_{name}_{variant}_us"] = graph_time_us(
-                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE)
-                )
+                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE,
+                                                              **case["scales"])
+                )  # fmt: skip
                 if name in outputs:
                     rows[f"step_{name}_{variant}_equal_bits"] = bool(
                         torch.equal(out, outputs[name])
@@ -616,7 +680,7 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
                     outputs[name] = out
             ws = workspace(case, configs["coverage"])
             rows[f"estimate_select_{variant}_us"] = graph_time_us(
-                lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE)
+                lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
             )
             moira.DECODE_LAUNCH.clear()
             moira.DECODE_LAUNCH.update(default_launch)
@@ -626,8 +690,9 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
                 ws = workspace(case, config)
                 out = torch.full_like(case["query"], float("nan"))
                 rows[f"step_{name}_fill{fill}_us"] = graph_time_us(
-                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE)
-                )
+                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE,
+                                                              **case["scales"])
+                )  # fmt: skip
     finally:
         moira.DECODE_LAUNCH.clear()
         moira.DECODE_LAUNCH.update(default_launch)
@@ -638,15 +703,18 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     batch = case["query"].shape[0]
-    rows = {}
+    rows = {"kv_cache_dtype": case["kv_cache_dtype"]}
     coverage = moira.MoiraConfig.paper(gamma=0.98)
     ws = workspace(case, coverage)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    rows["estimate_select_us"] = graph_time_us(lambda: moira.estimate_and_select(*args, ws, SCALE))
+    scales, k_scale = case["scales"], k_scale_of(case)
+    rows["estimate_select_us"] = graph_time_us(
+        lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
+    )
     rows["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(
             case["query"], case["kv"], case["summaries"], case["table"], case["seq"],
-            ws.logmass, SCALE, ws.config.estimator)
+            ws.logmass, SCALE, ws.config.estimator, k_scale=k_scale)
     )  # fmt: skip
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
@@ -659,10 +727,11 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
         selector="fixed", fixed_pages=max(2, round(kept_fraction * case["max_pages"]))
     )
     ws_fixed = workspace(case, fixed)
-    moira.estimate_and_select(*args, ws_fixed, SCALE)
+    moira.estimate_and_select(*args, ws_fixed, SCALE, k_scale=k_scale)
     torch.cuda.synchronize()
     counts = ws_fixed.page_count[:batch]
-    kept_bytes = int(counts.sum()) * PAGE * 2 * D * 2
+    # K and V of the kept pages, in the cache's bytes (fp8: one per value).
+    kept_bytes = int(counts.sum()) * PAGE * 2 * D * case["kv"].element_size()
     attend_us = graph_time_us(
         lambda: moira.attend(
             case["query"],
@@ -674,6 +743,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
             out,
             ws_fixed,
             SCALE,
+            **scales,
         )
     )
     rows["attend_merge_us"] = attend_us
@@ -684,7 +754,8 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     ws_pages.page_count.copy_(ws_fixed.page_count)
     attend_pages_us = graph_time_us(
         lambda: moira.attend(case["query"], case["kv"], case["table"], case["seq"],
-                             ws_pages.page_list, ws_pages.page_count, out, ws_pages, SCALE)
+                             ws_pages.page_list, ws_pages.page_count, out, ws_pages, SCALE,
+                             **scales)
     )  # fmt: skip
     rows["attend_pages_merge_us"] = attend_pages_us
     rows["attend_pages_tbps"] = kept_bytes / (attend_pages_us * 1e-6) / 1e12
@@ -708,7 +779,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
             us = graph_time_us(
                 lambda ws_c=ws_c, candidate=candidate: moira.attend(
                     case["query"], case["kv"], case["table"], case["seq"],
-                    ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE)
+                    ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
             )  # fmt: skip
             # Same pages, other summation order: within bf16 rounding of the
             # default's output.
@@ -723,23 +794,18 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
     rows["attend_tbps"] = kept_bytes / (attend_us * 1e-6) / 1e12
     rows["moira_step_fixed_us"] = graph_time_us(
-        lambda: moira.moira_decode(*args, out, ws_fixed, SCALE)
+        lambda: moira.moira_decode(*args, out, ws_fixed, SCALE, **scales)
     )
     rows["moira_step_coverage_us"] = graph_time_us(
-        lambda: moira.moira_decode(*args, out, ws, SCALE)
+        lambda: moira.moira_decode(*args, out, ws, SCALE, **scales)
     )
     counts_cov = ws.page_count[:batch]
     rows["coverage_kept_fraction"] = int(counts_cov.sum()) / sum(
         math.ceil(s / PAGE) * HKV for s in case["seq_lens"]
     )
-    kv = case["kv"]
     fa_out = torch.empty_like(case["query"])
-    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    rows["dense_fa3_us"] = graph_time_us(lambda: flash_attn_varlen_func(
-        q=case["query"], k=kv.transpose(1, 2)[..., :D], v=kv.transpose(1, 2)[..., D:],
-        out=fa_out, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=max(case["seq_lens"]),
-        seqused_k=case["seq"], block_table=case["table"], softmax_scale=SCALE,
-        causal=True, fa_version=3))  # fmt: skip
+    fa_kwargs = fa3_kwargs(case)  # fp8: the query quantized once, outside the timing
+    rows["dense_fa3_us"] = graph_time_us(lambda: flash_attn_varlen_func(out=fa_out, **fa_kwargs))
     return rows
 
 
@@ -785,6 +851,9 @@ def main():
     parser.add_argument("--step-launches", action="store_true",
                         help="time the whole decode step with and without dependent launches "
                         "(coverage, fixed count, dense rows)")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="fp8: the cache in e4m3 with per-layer K/V scales (vLLM's "
+                        "--kv-cache-dtype fp8); FA3 on the same fp8 cache")  # fmt: skip
     parser.add_argument("--step-fill-blocks", default="",
                         help="with --step-launches: comma list of N_F to time the dense-row "
                         "and fixed steps under")  # fmt: skip
@@ -810,16 +879,17 @@ def main():
     command = "python " + " ".join(sys.argv)
     gpu = torch.cuda.get_device_name()
     record = {"command": command, "gpu": gpu, "torch": torch.__version__,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "estimate_launch": dict(moira.ESTIMATE_LAUNCH), "cases": []}  # fmt: skip
     timing = {"command": command, "gpu": gpu, "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
-              "rows": []}  # fmt: skip
+              "kv_cache_dtype": args.kv_cache_dtype, "rows": []}  # fmt: skip
     if not args.skip_timing:
         timing["d2d_copy_tbps"] = copy_bandwidth_tbps()
         print(f"device-to-device copy: {timing['d2d_copy_tbps']:.2f} TB/s", flush=True)
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
         t0 = time.time()
-        case = build_case(batch, context)
+        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype)
         entry = {"shape": shape, "seq_lens": case["seq_lens"]}
         if not args.only_estimators and not args.skip_checks:
             entry["gamma_one"] = check_gamma_one(case)

@@ -23,7 +23,12 @@ compile inside a request's step (there, a compilation stalls every running
 request; seconds on a cold cache). ``--enforce-eager`` runs without CUDA
 graphs, where only the warm-up steps run the decode kernels before the run.
 
+``--kv-cache-dtype fp8``: the same on vLLM's fp8 KV cache (the summaries are
+those of the dequantized keys, rebuilt from the e4m3 keys and the layer's
+K scale).
+
     python benchmarks/summaries_in_vllm.py --out OUT.json [--enforce-eager]
+        [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=300, help="tokens generated per prompt")
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024,
                     help="small, so prefills are chunked and mix with decode rows")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="vLLM's --kv-cache-dtype (fp8: e4m3, per-layer K/V scales)")  # fmt: skip
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no CUDA graphs: every decode step runs the kernels eagerly, so only "
                          "the runner's warm-up steps compile them before the run")  # fmt: skip
@@ -126,6 +133,7 @@ def main() -> int:
         block_size=64, max_model_len=max(prompt_lens) + a.gen + 64,
         max_num_seqs=len(prompt_lens), max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=False, seed=0, attention_config={"backend": "MOIRA"},
+        kv_cache_dtype=a.kv_cache_dtype,
         **graphs,
     )  # fmt: skip
     engine_s = time.time() - t_start
@@ -164,6 +172,7 @@ def main() -> int:
         "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
         "estimator": config.estimator,
         "summary_dtype": config.summary_dtype,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "prompt_lens": prompt_lens,
         "generated": generated,
         "enforce_eager": a.enforce_eager,

@@ -31,7 +31,8 @@ Three steps:
    before every arm and chunk (``MOIRA_DENSE_BATCH_TOKENS=0``: every row follows its arm's
    rule). The record is rewritten after every chunk; ``--budget-s`` stops after the chunk
    that would leave less time than the slowest chunk took (``"complete": false``), and
-   ``--resume`` continues such a record.
+   ``--resume`` continues such a record. ``--kv-cache-dtype fp8`` runs either backend on
+   vLLM's fp8 KV cache (e4m3, per-layer K/V scales); ``merge`` compares runs of one KV dtype.
 
 3. ``merge`` (anywhere): scores, the paired bootstrap (95%, by document) of each arm
    against dense per (task, context), pooled per context, and pooled per context and
@@ -354,6 +355,7 @@ def run(args) -> None:
         "command": command,
         "backend": args.backend,
         "model": args.model,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_new": max_new,
         "prefix_caching": not args.no_prefix_cache,
         "complete": False,
@@ -385,6 +387,7 @@ def run(args) -> None:
         model=args.model,
         attention_backend=args.backend,
         dtype="bfloat16",
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=PAGE,
         max_model_len=_engine_len(prompts, docs, max_new),
         seed=0,
@@ -565,10 +568,19 @@ def merge_records(prompts: dict, runs: list[dict]) -> list[dict]:
 def merge(args) -> None:
     runs = [load_json(p) for p in args.runs]
     prompts = load_json(args.prompts)
+    kv_cache_dtypes = {r.get("kv_cache_dtype", "auto") for r in runs}
+    if len(kv_cache_dtypes) != 1:
+        raise SystemExit(
+            f"merge: runs of different --kv-cache-dtype {sorted(kv_cache_dtypes)}; merge the "
+            "runs of one KV cache dtype (dense and MOIRA on the same cache)"
+        )
+    (kv_cache_dtype,) = kv_cache_dtypes
+    kv = "bf16 KV cache" if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV cache"
     out = {
         "command": "python -m benchmarks.accuracy.run_accuracy_vllm " + " ".join(sys.argv[1:]),
-        "where": "vLLM 0.30 on the GPU (bf16, FA3 prefill); reads: Select's counters per arm "
-        "and context",
+        "where": f"vLLM 0.30 on the GPU (bf16, {kv}, FA3 prefill); reads: Select's counters "
+        "per arm and context",
+        "kv_cache_dtype": kv_cache_dtype,
         "model": prompts.get("model_name", "SmolLM2-135M-Instruct"),
         "complete": all(r.get("complete", True) for r in runs),
         "sources": [r["command"] for r in runs],
@@ -625,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--max-new", type=int, default=0, help="default: the export's max_new")
     rn.add_argument("--estimator", help="MOIRA_ESTIMATOR for this engine (default: the env's)")
     rn.add_argument("--summary-dtype", help="MOIRA_SUMMARY_DTYPE (default: the env's)")
+    rn.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="vLLM's --kv-cache-dtype: auto (bf16) or fp8 (e4m3, per-layer K/V "
+                    "scales); merge compares runs of one KV dtype")  # fmt: skip
     rn.add_argument("--gammas", type=float, nargs="+", default=list(GAMMAS))
     rn.add_argument(
         "--control",

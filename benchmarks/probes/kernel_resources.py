@@ -30,7 +30,8 @@ own compile.
     python benchmarks/probes/kernel_resources.py [--rows 4] [--context 131072]
         [--estimator mvar_top8] [--summary-dtype int8] [--src DIR] [--json OUT]
 
-``--src DIR`` imports ``vllm_moira`` from DIR instead of this checkout (a
+``--kv-cache-dtype fp8`` compiles the kernels' fp8 KV cache variants (e4m3
+pages with K/V scales). ``--src DIR`` imports ``vllm_moira`` from DIR instead of this checkout (a
 copy with a variant applied, to compare against).
 """
 
@@ -73,6 +74,7 @@ BLOCK_RESERVED_SHARED = 1024
 _TORCH_TO_TRITON = {
     "torch.bfloat16": "bf16",
     "torch.float16": "fp16",
+    "torch.float8_e4m3fn": "fp8e4nv",
     "torch.float32": "fp32",
     "torch.int8": "i8",
     "torch.int32": "i32",
@@ -127,11 +129,13 @@ def captured_launches(moira):
 
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
                          num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
-                         attend_schedule: str | None = None) -> list:  # fmt: skip
+                         attend_schedule: str | None = None,
+                         kv_cache_dtype: str = "auto") -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
     the kernels' specialization allows (a few KV blocks): only shapes the
-    launchers read reach the constexprs."""
+    launchers read reach the constexprs. ``kv_cache_dtype="fp8"``: on vLLM's
+    fp8 cache (e4m3 with K/V scales)."""
     import torch
 
     schedule = {"attend_schedule": attend_schedule} if attend_schedule else {}
@@ -140,6 +144,10 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     num_blocks = 16
     kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
                      dtype=torch.bfloat16)  # fmt: skip
+    scales: dict[str, torch.Tensor] = {}
+    if kv_cache_dtype == "fp8":
+        kv = kv.to(torch.float8_e4m3fn)
+        scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
     dtype, summary_rows = moira.summary_storage(config.summary_slots, summary_dtype)
     summaries = torch.zeros(num_blocks, num_kv_heads, summary_rows, head_size, dtype=dtype)
     table = torch.zeros(rows, max_pages, dtype=torch.int32)
@@ -152,12 +160,15 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     with captured_launches(moira) as launches:
         # The writer runs on prefill tokens; in the decode step Estimate writes
         # the pages that filled (write_filled_pages, as the backend calls it).
-        moira.write_page_summaries(kv, summaries, slots)
+        if scales:
+            moira.write_page_summaries(kv, summaries, slots, scales["k_scale"])
+        else:
+            moira.write_page_summaries(kv, summaries, slots)
         # (--src trees from before it have no such option.)
         decode_options = ({"write_filled_pages": True} if "write_filled_pages"
                           in inspect.signature(moira.moira_decode).parameters else {})  # fmt: skip
         moira.moira_decode(
-            query, kv, summaries, table, seq, out, ws, head_size**-0.5, **decode_options
+            query, kv, summaries, table, seq, out, ws, head_size**-0.5, **decode_options, **scales
         )
     return launches
 
@@ -295,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"int8_convert": "imma"}\'',
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     moira = _import_moira(a.src, a.triton_path)
@@ -309,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
-                                    attend_schedule=a.attend_schedule)  # fmt: skip
+                                    attend_schedule=a.attend_schedule,
+                                    kv_cache_dtype=a.kv_cache_dtype)  # fmt: skip
     rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
@@ -328,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": f"{a.rows}x{a.context}",
             "estimator": estimator,
             "summary_dtype": summary_dtype,
+            "kv_cache_dtype": a.kv_cache_dtype,
             "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
             "same_summary_sum_layouts": same_summary_layouts,

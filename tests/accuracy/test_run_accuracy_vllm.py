@@ -85,3 +85,31 @@ def test_recheck_refuses_unknown_documents():
     prompts = {"stop_token_ids": [0], "docs": [_doc("niah_single", 2048, 0, ["1"])]}
     with pytest.raises(SystemExit, match=r"not in the prompts file: \['niah_single\|2048\|7'\]"):
         recheck_docs.recheck(prompts, ["niah_single|2048|7"], [0.99], ["mvar_top4"], 12)
+
+
+def test_merge_compares_runs_of_one_kv_cache_dtype(tmp_path):
+    """--kv-cache-dtype fp8 runs merge with each other (the record says fp8); a
+    dense bf16 run next to an fp8 MOIRA run is refused."""
+    import argparse
+
+    prompts = {"docs": [_doc("niah_single", 2048, 0, ["123"])]}
+    dense = _arm("dense", None, {"niah_single|2048|0": "123"})
+    moira = _arm("moira", 0.99, {"niah_single|2048|0": "123"}, reads=0.5)
+    paths = {}
+    for name, arm, kv in (("dense_fp8", dense, "fp8"), ("moira_fp8", moira, "fp8"),
+                          ("dense_auto", dense, "auto")):  # fmt: skip
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({"command": name, "kv_cache_dtype": kv,
+                                           "arms": [arm]}))  # fmt: skip
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    out = tmp_path / "out.json"
+
+    def args(*names):
+        return argparse.Namespace(runs=[str(paths[n]) for n in names],
+                                  prompts=str(tmp_path / "prompts.json"), out=str(out))  # fmt: skip
+
+    R.merge(args("dense_fp8", "moira_fp8"))
+    record = json.loads(out.read_text())
+    assert record["kv_cache_dtype"] == "fp8" and "fp8 KV cache" in record["where"]
+    with pytest.raises(SystemExit, match=r"different --kv-cache-dtype \['auto', 'fp8'\]"):
+        R.merge(args("dense_auto", "moira_fp8"))

@@ -152,6 +152,30 @@ def test_merge_with_dense_baseline_format(tmp_path):
     assert rec["breakdown"] == moira["breakdown"]
 
 
+def test_merge_pairs_fp8_rows_with_both_dense_rows(tmp_path):
+    """Four files (dense / Moira x bf16 / fp8 KV): each Moira row against the
+    dense row of its KV dtype, and an fp8 Moira row also against dense bf16."""
+    files = []
+    for name, kv, rows in (
+        ("dense_auto", "auto", [_row(arm="dense", selector=None, gamma=None, reads=None,
+                                     tpot_ms=20.0)]),
+        ("dense_fp8", "fp8", [_row(arm="dense", selector=None, gamma=None, reads=None,
+                                   tpot_ms=12.0, kv_cache_dtype="fp8")]),
+        ("moira_auto", "auto", [_row(tpot_ms=7.0)]),
+        ("moira_fp8", "fp8", [_row(tpot_ms=5.0, kv_cache_dtype="fp8")]),
+    ):  # fmt: skip
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"command": name, "kv_cache_dtype": kv, "rows": rows}))
+        files.append(str(path))
+    rec = bt.merge(files, str(tmp_path / "tpot.json"))
+    by_kv = {s["kv_cache_dtype"]: s for s in rec["speedups"]}
+    assert set(by_kv) == {"auto", "fp8"}
+    assert by_kv["auto"]["speedup"] == pytest.approx(20.0 / 7.0)
+    assert "speedup_vs_dense_bf16" not in by_kv["auto"]
+    assert by_kv["fp8"]["speedup"] == pytest.approx(12.0 / 5.0)
+    assert by_kv["fp8"]["speedup_vs_dense_bf16"] == pytest.approx(20.0 / 5.0)
+
+
 def test_merge_compares_greedy_outputs(tmp_path):
     """--greedy-check files of both backends: equal lists pass, a divergence
     is located with the dense margin at that step."""

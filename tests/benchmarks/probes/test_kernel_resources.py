@@ -137,3 +137,35 @@ def test_decode_step_launches_no_writer_and_writer_shares_estimates_warps():
     assert warps["kernel_moira_estimate"] == moira.ESTIMATE_LAUNCH["num_warps"]
     estimate_kwargs = launches[1][3]
     assert estimate_kwargs["WRITE_FILLED_PAGE"] is True
+
+
+@pytest.mark.slow
+def test_fp8_kv_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """--kv-cache-dtype fp8: the writer, Estimate and Attend compiled with
+    their fp8 page loads (KV_FP8) for sm_90, without spills or GPU-wide
+    fences, and the writer's and Estimate's page sums in one layout (so their
+    summaries of the same fp8 page agree bit for bit on the GPU)."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--attend-schedule",
+           "pages", "--kv-cache-dtype", "fp8", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["kv_cache_dtype"] == "fp8" and record["same_summary_sum_layouts"] is True
+    for row in record["rows"]:
+        assert row["spill_bytes"] == 0 and row["gpu_fences"] == 0, row
+        assert row["blocks_per_sm"] >= 1, row
+
+
+def test_fp8_decode_step_launches_read_the_scales():
+    sys.path.insert(0, str(ROOT))
+    from vllm_moira.v1.attention.backends import moira
+
+    launches = kr.decode_step_launches(moira, 2, 4096, moira.MOIRA_DEFAULT_ESTIMATOR,
+                                       moira.MOIRA_DEFAULT_SUMMARY_DTYPE,
+                                       kv_cache_dtype="fp8")  # fmt: skip
+    fp8 = {fn.__name__: kwargs.get("KV_FP8") for fn, _, _, kwargs in launches}
+    assert fp8 == {"kernel_moira_write_summaries": True, "kernel_moira_estimate": True,
+                   "kernel_moira_select": None, "kernel_moira_attend": True,
+                   "kernel_moira_merge": None}  # fmt: skip
