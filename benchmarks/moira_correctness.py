@@ -341,14 +341,35 @@ def check_dependent_launches(case, config=None):
     return result
 
 
+#: How far (in share of the group-mean mass) the kernel's float32 sums may sit from the
+#: reference's: both add up to 2048 shares < 1 in different orders, a few fp32 ulps each.
+NEAR_TIE_SHARE = 1e-5
+
+
+def is_near_tie(got: torch.Tensor, pibar: torch.Tensor, gamma: float) -> bool:
+    """A kernel list that differs from the reference's only because the kept share meets
+    the coverage target within float32 summation order: it lies between the reference's
+    lists at gamma - NEAR_TIE_SHARE and gamma + NEAR_TIE_SHARE (threshold lists are
+    nested). Any other difference (a missing sink or current page, a page out of order, a
+    list that is not a threshold set of the shares) is a real mismatch."""
+    low = set(ref.select_pages(pibar, gamma=gamma - NEAR_TIE_SHARE).tolist())
+    high = ref.select_pages(pibar, gamma=min(gamma + NEAR_TIE_SHARE, 1.0)).tolist()
+    pages = got.tolist()
+    return pages == sorted(pages) and low <= set(pages) <= set(high)
+
+
 def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None):
+    """Select's lists on the kernel's own log-masses vs the float32 reference's rule
+    (``rows_equal``; ``rows_near_tie``: differences explained by summation order at the
+    coverage target, see ``is_near_tie``), Estimate's log-masses vs the reference on
+    ``estimate_rows`` rows, and the sparse output vs float32 attention over the same lists."""
     estimator, summary_dtype = split_summary_dtype(estimator or moira.MoiraConfig().estimator)
     config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
     page_list, page_count = ws.page_list[:batch].cpu(), ws.page_count[:batch].cpu()
-    rows_checked = rows_equal = 0
+    rows_checked = rows_equal = rows_near_tie = 0
     kept, total = 0, 0
     lists = []
     for row in range(batch):
@@ -359,7 +380,10 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
             expected = ref.select_pages(pibar[h], gamma=gamma)
             got = page_list[row, h, : int(page_count[row, h])]
             rows_checked += 1
-            rows_equal += int(got.tolist() == expected.tolist())
+            if got.tolist() == expected.tolist():
+                rows_equal += 1
+            else:
+                rows_near_tie += int(is_near_tie(got, pibar[h], gamma))
             kept += int(page_count[row, h])
             total += n
             row_lists.append(got)
@@ -383,6 +407,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         "gamma": gamma,
         "rows_checked": rows_checked,
         "rows_equal": rows_equal,
+        "rows_near_tie": rows_near_tie,
         "kept_fraction": kept / total,
         "estimate_max_abs_err": est_err,
         "sparse_vs_fp32_max_abs_diff": sparse_err,
@@ -420,7 +445,14 @@ def check_estimator_summaries(case, name, num_pages=64):
         # Bit copies of the (dequantized, for fp8) keys, as bf16 stores them.
         stored = expected[:, :, 2:].to(torch.bfloat16).float()
         same_keys = (got[:, :, 2:] == stored).flatten(2).all(-1)
-    ulp = torch.pow(2.0, torch.floor(torch.log2(expected[:, :, :2].abs().clamp_min(2.0**-126))) - 7)
+    # One bf16 ulp of each value, but never below 2^-20 of the channel's scale (mean |k|
+    # for the mean, mean k^2 for the variance): a channel whose keys are all equal (common
+    # in an e4m3 cache) has variance exactly 0 in the reference, while the kernel's mean,
+    # summed in another order, may sit an fp32 ulp off and leave a variance of ~1e-16.
+    keys = reference_cache(case)[blocks.long(), :, :, :D].float()
+    floor = torch.stack([keys.abs().mean(dim=2), (keys * keys).mean(dim=2)], dim=2) * 2.0**-20
+    magnitude = torch.maximum(expected[:, :, :2].abs(), floor).clamp_min(2.0**-126)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(magnitude)) - 7)
     rel = ((got[:, :, :2] - expected[:, :, :2]).abs() / ulp).amax(dim=(2, 3))
     return {
         "pages_checked": num_pages * HKV,

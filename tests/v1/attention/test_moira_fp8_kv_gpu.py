@@ -72,8 +72,12 @@ def test_fp8_select_lists_and_estimate_match_reference(case):
     assert summaries["int8_max_step_diff"] <= 1, summaries
     assert summaries["scale_max_rel_err"] < 1e-5, summaries
     result = mc.check_select_and_estimate(case8, estimator="int8:mvar_top8")
+    # An e4m3 cache makes many pages' int8 summaries, hence log-masses, equal, so a kept
+    # share can meet the coverage target within float32 summation order: such a list is
+    # counted apart (rows_near_tie) and must stay rare; any other difference fails.
     assert result["rows_checked"] >= 32
-    assert result["rows_equal"] == result["rows_checked"], result
+    assert result["rows_equal"] + result["rows_near_tie"] == result["rows_checked"], result
+    assert result["rows_near_tie"] <= result["rows_checked"] // 64, result
     assert result["estimate_max_abs_err"] < 1e-3, result
     assert result["sparse_vs_fp32_max_abs_diff"] < 1.6e-2, result
 

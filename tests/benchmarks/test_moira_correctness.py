@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pure helpers of benchmarks/moira_correctness.py (CPU): how a Select list that differs
+from the reference's is classified."""
+
+from __future__ import annotations
+
+import torch
+from _load import load
+
+mc = load("moira_correctness")
+ref = mc.ref
+
+
+def _shares(values):
+    pibar = torch.tensor(values, dtype=torch.float32)
+    return pibar / pibar.sum()
+
+
+def test_reference_list_is_not_a_near_tie_question():
+    pibar = _shares([5, 1, 8, 1, 7, 1, 4])
+    expected = ref.select_pages(pibar, gamma=0.8)
+    assert mc.is_near_tie(expected, pibar, 0.8)
+
+
+def test_target_met_within_summation_order_is_a_near_tie():
+    # Pages 2 and 4 hold 0.2 and 0.18 of the mass; sink + current hold 0.5. At a target
+    # of exactly 0.88 the reference keeps page 4 (0.88 reached); a float32 sum a hair
+    # short of it keeps the next page too.
+    pibar = torch.tensor([0.25, 0.03, 0.2, 0.03, 0.18, 0.06, 0.25], dtype=torch.float32)
+    gamma = float(pibar[[0, 2, 4, 6]].sum())
+    exact = ref.select_pages(pibar, gamma=gamma)
+    one_more = ref.select_pages(pibar, gamma=gamma + 1e-6)
+    assert exact.tolist() != one_more.tolist()
+    assert mc.is_near_tie(one_more, pibar, gamma)
+
+
+def test_real_mismatches_are_not_near_ties():
+    pibar = _shares([5, 1, 8, 1, 7, 1, 4])
+    expected = ref.select_pages(pibar, gamma=0.8).tolist()
+    missing_heavy_page = torch.tensor([p for p in expected if p != 2], dtype=torch.int32)
+    assert not mc.is_near_tie(missing_heavy_page, pibar, 0.8)
+    extra_light_page = torch.tensor(sorted(set(expected) | {1}), dtype=torch.int32)
+    assert not mc.is_near_tie(extra_light_page, pibar, 0.8)
+    out_of_order = torch.tensor(expected[::-1], dtype=torch.int32)
+    assert not mc.is_near_tie(out_of_order, pibar, 0.8)
