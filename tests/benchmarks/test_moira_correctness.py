@@ -43,3 +43,17 @@ def test_real_mismatches_are_not_near_ties():
     assert not mc.is_near_tie(extra_light_page, pibar, 0.8)
     out_of_order = torch.tensor(expected[::-1], dtype=torch.int32)
     assert not mc.is_near_tie(out_of_order, pibar, 0.8)
+
+
+def test_pages_within_the_bisection_resolution_are_near_ties():
+    # Page 3's share sits 2e-8 below the threshold page's (page 1): Select's bisection
+    # (resolution max share / 2^24 ~ 3e-8) cannot separate them, the reference can.
+    pibar = torch.tensor([0.3, 0.1, 0.5, 0.1 - 2e-8, 0.0, 0.02], dtype=torch.float64)
+    pibar = (pibar / pibar.sum()).float()
+    gamma = float(pibar[[0, 1, 2, 5]].sum()) - 1e-3
+    expected = ref.select_pages(pibar, gamma=gamma).tolist()
+    assert 3 not in expected and 1 in expected
+    both = torch.tensor(sorted(set(expected) | {3}), dtype=torch.int32)
+    assert mc.is_near_tie(both, pibar, gamma)
+    with_light_page = torch.tensor(sorted(set(expected) | {3, 4}), dtype=torch.int32)
+    assert not mc.is_near_tie(with_light_page, pibar, gamma)
