@@ -325,3 +325,78 @@ def test_v2_runner_wires_the_table():
     assert "attn_request_extras=attn_request_extras" in inspect.getsource(build_attn_metadata)
     for module in (default, encoder_decoder, mamba_hybrid):
         assert "attn_request_extras=input_batch.attn_request_extras" in inspect.getsource(module)
+
+
+# ------------------------------------------------------ vLLM's own runner tests
+def test_build_attention_metadata_runs_on_a_mock_runner():
+    # vLLM's tests/v1/attention/test_attention_splitting.py drives
+    # GPUModelRunner._build_attention_metadata with a MagicMock runner (its
+    # input_batch counts are mocks, not ints). The patch's call site must not do
+    # arithmetic on them: it forwards num_reqs and leaves the clamp to
+    # _prepare_attn_request_extras, which a backend without knobs never reaches.
+    from unittest.mock import MagicMock, patch
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    num_reqs, num_reqs_padded = 3, 5
+    runner = MagicMock()
+    runner.kv_cache_config.kv_cache_groups = [MagicMock()]
+    runner.attn_groups = [[]]
+    runner.input_batch.num_computed_tokens_cpu_tensor = torch.tensor([50, 100, 200, 10, 20])
+    runner.input_batch.num_prompt_tokens_cpu_tensor = torch.tensor([50, 200, 200, 100, 200])
+    runner.optimistic_seq_lens_cpu = torch.tensor([100, 200, 300, 0, 0])
+    runner.query_start_loc.gpu = torch.zeros(num_reqs_padded + 1, dtype=torch.int32)
+    runner.query_start_loc.cpu = torch.zeros(num_reqs_padded + 1, dtype=torch.int32)
+    runner.seq_lens = torch.zeros(num_reqs_padded, dtype=torch.int32)
+    runner.positions = torch.zeros(num_reqs_padded, dtype=torch.int64)
+    runner.routed_experts_initialized = False
+    runner.use_async_spec_decode = False
+    runner.dcp_world_size = 1
+    runner.speculative_config = None
+    runner.is_mm_prefix_lm = False
+    runner._get_encoder_seq_lens.return_value = (None, None)
+
+    built = []
+    original_init = CommonAttentionMetadata.__init__
+
+    def recording_init(self, *args, **kwargs):
+        built.append(kwargs)
+        original_init(self, *args, **kwargs)
+
+    with patch.object(CommonAttentionMetadata, "__init__", recording_init):
+        GPUModelRunner._build_attention_metadata(
+            runner,
+            num_tokens=num_reqs,
+            num_reqs=num_reqs,
+            max_query_len=1,
+            num_tokens_padded=num_reqs_padded,
+            num_reqs_padded=num_reqs_padded,
+            slot_mappings={0: torch.zeros(num_reqs_padded, dtype=torch.int64)},
+        )
+    assert built and "attn_request_extras" in built[0]
+    runner._prepare_attn_request_extras.assert_called_once_with(num_reqs, num_reqs_padded)
+
+
+def test_prepare_attn_request_extras_clamps_to_the_live_requests():
+    # A dummy run may count more rows than the input batch holds: those rows
+    # get the defaults, like padding.
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class Buffer:
+        def __init__(self):
+            self.np = np.zeros((1, 6), dtype=np.float32)
+            self.gpu = None
+
+        def copy_to_gpu(self):
+            self.gpu = torch.from_numpy(self.np.copy())
+
+    runner = SimpleNamespace(
+        attn_request_extras=Buffer(),
+        attn_request_extras_defaults={KEY: 0.0},
+        input_batch=SimpleNamespace(
+            num_reqs=2, attn_request_extras=np.array([[0.9, 0.8, 0.7, 0.6]], dtype=np.float32)
+        ),
+    )
+    extras = GPUModelRunner._prepare_attn_request_extras(runner, 4, 5)
+    assert extras[KEY].tolist() == pytest.approx([0.9, 0.8, 0.0, 0.0, 0.0])
