@@ -38,6 +38,9 @@ Options:
   --prefix DIR         where the bundle is unpacked (default /opt/vllm030)
   --no-install         reuse an already installed and built PREFIX
   --step-timeout S     kill a step after S seconds (default: none)
+  --kv-cache-dtype D   auto (bf16, default) or fp8 (e4m3, per-layer scales): passed to
+                       correctness, tpot (both backends), summaries and accuracy; their
+                       records get the suffix _fp8
   --acc-prompts FILE   accuracy prompts (run_accuracy_vllm export; default
                        .stage/accuracy/prompts.json)
   --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py;
@@ -58,6 +61,7 @@ BUNDLE=".stage/vllm030"
 PREFIX="/opt/vllm030"
 INSTALL=1
 STEP_TIMEOUT=0
+KV_DTYPE="auto"
 ACC_PROMPTS=".stage/accuracy/prompts.json"
 ACC_MODEL=".stage/accuracy/model"
 STEPS=()
@@ -77,6 +81,7 @@ while [[ $# -gt 0 ]]; do
         --prefix) need_value "$@"; PREFIX=$2; shift ;;
         --no-install) INSTALL=0 ;;
         --step-timeout) need_value "$@"; STEP_TIMEOUT=$2; shift ;;
+        --kv-cache-dtype) need_value "$@"; KV_DTYPE=$2; shift ;;
         --acc-prompts) need_value "$@"; ACC_PROMPTS=$2; shift ;;
         --acc-model) need_value "$@"; ACC_MODEL=$2; shift ;;
         -h | --help) usage; exit 0 ;;
@@ -90,6 +95,14 @@ if [[ -z "${OUT}" ]]; then
     echo "run_gpu.sh: --out DIR is required (see --help)" >&2
     exit 2
 fi
+case "${KV_DTYPE}" in
+    auto | fp8) ;;
+    *) echo "run_gpu.sh: --kv-cache-dtype must be auto or fp8, not '${KV_DTYPE}'" >&2; exit 2 ;;
+esac
+# Records of an fp8 run are named apart, so one --out can hold both.
+SUFFIX=""
+[[ "${KV_DTYPE}" == fp8 ]] && SUFFIX="_fp8"
+KV_ARGS=(--kv-cache-dtype "${KV_DTYPE}")
 if [[ ${#STEPS[@]} -eq 0 ]]; then
     echo "run_gpu.sh: no step named (see --help)" >&2
     exit 2
@@ -192,20 +205,22 @@ for step in "${STEPS[@]}"; do
                 ${arg:+-k "${arg}"}
             ;;
         correctness)
-            run correctness python benchmarks/moira_correctness.py \
-                --shapes "${arg:-4x131072,32x8192}" --json "${OUT}/correctness.json" \
-                --timing-json "${OUT}/correctness_timing.json"
+            run "correctness${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
+                --shapes "${arg:-4x131072,32x8192}" --json "${OUT}/correctness${SUFFIX}.json" \
+                --timing-json "${OUT}/correctness${SUFFIX}_timing.json"
             ;;
         tpot)
             shapes=()
             [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
-            run tpot_dense python benchmarks/bench_tpot.py --model "${MODEL}" \
-                --backend FLASH_ATTN "${shapes[@]}" --out "${OUT}/tpot_dense.json"
-            run tpot_moira python benchmarks/bench_tpot.py --model "${MODEL}" \
-                --backend MOIRA "${shapes[@]}" --out "${OUT}/tpot_moira.json"
-            if [[ -f "${OUT}/tpot_dense.json" && -f "${OUT}/tpot_moira.json" ]]; then
-                run tpot python benchmarks/bench_tpot.py --merge "${OUT}/tpot_dense.json" \
-                    "${OUT}/tpot_moira.json" --out "${OUT}/tpot.json"
+            dense="${OUT}/tpot${SUFFIX}_dense.json"
+            moira="${OUT}/tpot${SUFFIX}_moira.json"
+            run "tpot${SUFFIX}_dense" python benchmarks/bench_tpot.py --model "${MODEL}" \
+                "${KV_ARGS[@]}" --backend FLASH_ATTN "${shapes[@]}" --out "${dense}"
+            run "tpot${SUFFIX}_moira" python benchmarks/bench_tpot.py --model "${MODEL}" \
+                "${KV_ARGS[@]}" --backend MOIRA "${shapes[@]}" --out "${moira}"
+            if [[ -f "${dense}" && -f "${moira}" ]]; then
+                run "tpot${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" "${moira}" \
+                    --out "${OUT}/tpot${SUFFIX}.json"
             fi
             ;;
         kernel-spread)
@@ -235,8 +250,8 @@ for step in "${STEPS[@]}"; do
             run e2e python benchmarks/e2e_moira_vllm.py --model "${MODEL}" --out "${OUT}/e2e.json"
             ;;
         summaries)
-            run summaries python benchmarks/summaries_in_vllm.py --model "${MODEL}" \
-                --out "${OUT}/summaries.json"
+            run "summaries${SUFFIX}" python benchmarks/summaries_in_vllm.py --model "${MODEL}" \
+                "${KV_ARGS[@]}" --out "${OUT}/summaries${SUFFIX}.json"
             ;;
         vllm-tests)
             run "vllm_tests_gamma${arg:-1}" python tests/upstream/run_vllm_tests.py run \
@@ -249,13 +264,13 @@ for step in "${STEPS[@]}"; do
                 continue
             fi
             for backend in FLASH_ATTN MOIRA; do
-                run "accuracy_${backend,,}" python -m benchmarks.accuracy.run_accuracy_vllm run \
-                    --backend "${backend}" --prompts "${ACC_PROMPTS}" --model "${ACC_MODEL}" \
-                    --out "${OUT}/accuracy_${backend,,}.json"
+                run "accuracy${SUFFIX}_${backend,,}" python -m benchmarks.accuracy.run_accuracy_vllm \
+                    run "${KV_ARGS[@]}" --backend "${backend}" --prompts "${ACC_PROMPTS}" \
+                    --model "${ACC_MODEL}" --out "${OUT}/accuracy${SUFFIX}_${backend,,}.json"
             done
-            run accuracy python -m benchmarks.accuracy.run_accuracy_vllm merge \
-                "${OUT}/accuracy_flash_attn.json" "${OUT}/accuracy_moira.json" \
-                --prompts "${ACC_PROMPTS}" --out "${OUT}/accuracy.json"
+            run "accuracy${SUFFIX}" python -m benchmarks.accuracy.run_accuracy_vllm merge \
+                "${OUT}/accuracy${SUFFIX}_flash_attn.json" "${OUT}/accuracy${SUFFIX}_moira.json" \
+                --prompts "${ACC_PROMPTS}" --out "${OUT}/accuracy${SUFFIX}.json"
             ;;
     esac
 done
