@@ -1,17 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Regenerate the benchmark figures (PNG) from the JSONs in benchmarks/results.
+"""Regenerate the figures of docs/results.md (PNG) from the records in benchmarks/results.
 
-CPU only (matplotlib, Agg backend). Inputs that are missing are skipped with a
-message; every figure that can be drawn is written:
+CPU only (matplotlib, Agg backend). Records that are missing are skipped with a message;
+every figure that can be drawn is written:
 
-  tpot_prmt_h200.json + tpot_qwen_h200.json -> docs/img/tpot_speedup.png
-                     (dense / Moira TPOT by shape, Llama-3.1-8B and Qwen3-4B)
-  tpot_b1_fa3steps_h200.json -> docs/img/tpot_batch1.png (batch 1 TPOT vs context)
-  tpot_h200.json     -> docs/img/step_breakdown.png (ms per step by kernel)
-  kernels_h200.json  -> docs/img/kernel_spread.png  (attention us/layer vs CV, per arm)
-  serving_h200.json (set A) + serving_setB*_h200.json (set B)
-                     -> docs/img/serving_throughput.png (output tok/s vs concurrency,
-                        one panel per prompt set)
+  tpot/tpot_kv_dtypes_h200.json, tpot/tpot_mid_final_h200.json, tpot/tpot_qwen_now_h200.json
+      -> docs/img/tpot_speedup.png (dense / Moira TPOT by shape, model and KV cache dtype)
+  kernel_spread/kernels_h200.json
+      -> docs/img/kernel_spread.png (attention µs per layer vs CV, per method)
 
     python benchmarks/plot_results.py [--results benchmarks/results] [--img docs/img]
 """
@@ -29,19 +25,16 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_tpot import speedup_rows  # noqa: E402  (pure helpers, no GPU)
 
-#: The latest TPOT run at the five shapes (docs/benchmarks.md, "TPOT").
-TPOT_LATEST = "tpot_prmt_h200.json"
-#: Qwen3-4B at the five shapes (each shape's pair from one call; tpot_qwen_now + tpot_qwen_mid).
-TPOT_QWEN_LATEST = "tpot_qwen_h200.json"
-#: The latest TPOT run with batch 1 (docs/benchmarks.md, "Batch 1 TPOT").
-TPOT_BATCH1_LATEST = "tpot_b1_fa3steps_h200.json"
+#: The records each figure reads, relative to --results (benchmarks/results/README.md).
+TPOT_RECORDS = (
+    "tpot/tpot_kv_dtypes_h200.json",
+    "tpot/tpot_mid_final_h200.json",
+    "tpot/tpot_qwen_now_h200.json",
+)
+KERNELS_RECORD = "kernel_spread/kernels_h200.json"
 #: Legend of the kernel-spread arms (bench_kernel_spread.py methods).
 KERNEL_METHOD_LABELS = {"moira_pages": "moira (pages, backend default)",
                         "moira": "moira (lists, Alg. 2)"}  # fmt: skip
-#: Serving runs joined into one figure: set A (two waves, concurrency 1 and 16)
-#: and set B (one wave each, concurrency 8, then 1).
-SERVING_INPUTS = ("serving_h200.json", "serving_setB_h200.json", "serving_setB_c1_h200.json")
-BREAKDOWN_PARTS = ("estimate", "select", "attend", "merge", "summaries", "fa3", "gemm", "rest")
 CV_ORDER = {"0": 0, "0.0": 0, "0.5": 1, "1": 2, "1.0": 2, "1.2": 3, "real": 4}
 
 
@@ -77,8 +70,10 @@ def _arm_label(r: dict) -> str:
 
 def _speedup_series(r: dict) -> str:
     # One bar series for the fixed-count arms (each shape at its own read
-    # fraction, written on the bar), one per coverage gamma.
-    return "fixed count" if r.get("selector") == "fixed" else _arm_label(r)
+    # fraction, written on the bar), one per coverage gamma; fp8 KV cache pairs
+    # (MOIRA fp8 over dense fp8) are their own series.
+    series = "fixed count" if r.get("selector") == "fixed" else _arm_label(r)
+    return f"{series}, fp8 KV" if r.get("kv_cache_dtype") == "fp8" else series
 
 
 def join_tpot(*records: dict | None) -> dict:
@@ -132,53 +127,6 @@ def plot_tpot_speedup(data: dict, out: Path) -> Path | None:
     return out
 
 
-def plot_tpot_batch1(data: dict, out: Path) -> Path | None:
-    rows = [r for r in data.get("rows", []) if r.get("batch") == 1 and r.get("tpot_ms")]
-    if not rows:
-        print("skip: no batch-1 TPOT rows", flush=True)
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["model"], _arm_label(r)) for r in rows}):
-        pts = sorted((r["context"], r["tpot_ms"]) for r in rows
-                     if (r["model"], _arm_label(r)) == key)  # fmt: skip
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens), batch 1")
-    ax.set_ylabel("TPOT (ms)")
-    ax.set_title("Batch 1: Moira vs dense")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
-def plot_breakdown(data: dict, out: Path) -> Path | None:
-    entries = [b for b in data.get("breakdown") or [] if "kernels_total_ms" in b]
-    if not entries:
-        print("skip: no per-kernel breakdown", flush=True)
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(entries) + 2), 4))
-    labels = [f"{b.get('model', '?')}\n{b.get('backend', '')} {_shape(b)}" for b in entries]
-    bottom = [0.0] * len(entries)
-    for part in BREAKDOWN_PARTS:
-        vals = [float(b.get(f"{part}_ms", 0.0)) for b in entries]
-        if any(vals):
-            ax.bar(range(len(entries)), vals, 0.6, bottom=bottom, label=part)
-            bottom = [x + y for x, y in zip(bottom, vals)]
-    ax.set_xticks(range(len(entries)))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("GPU kernel time per decode step (ms)")
-    ax.set_title("One decode step by kernel (torch.profiler)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
 def plot_kernel_spread(data: dict, out: Path) -> Path | None:
     rows = [r for r in data.get("rows", []) if r.get("us_per_layer")]
     if not rows:
@@ -214,41 +162,6 @@ def plot_kernel_spread(data: dict, out: Path) -> Path | None:
     return out
 
 
-def _first(r: dict, *keys):
-    for k in keys:
-        if r.get(k) is not None:
-            return r[k]
-    return None
-
-
-def plot_serving(data: dict, out: Path) -> Path | None:
-    rows = []
-    for r in data.get("rows", []):
-        c = _first(r, "concurrency", "max_concurrency", "c")
-        tps = _first(r, "output_tok_s", "output_throughput", "output_tokens_per_s")
-        arm = _first(r, "arm", "backend", "method")
-        if c is not None and tps is not None and arm is not None:
-            rows.append((str(r.get("model", "")), str(r.get("set", "")), str(arm), c, tps))
-    if not rows:
-        print("skip: serving JSON has no (concurrency, output tok/s, arm) rows", flush=True)
-        return None
-    plt = _plt()
-    panels = sorted({(m, s) for m, s, *_ in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
-    for ax, (model, set_) in zip(axes[0], panels):
-        for arm in sorted({r[2] for r in rows if r[:2] == (model, set_)}):
-            pts = sorted((r[3], r[4]) for r in rows if r[:3] == (model, set_, arm))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
-        ax.set_xlabel("concurrency")
-        ax.set_title(f"{model} {('set ' + set_) if set_ else ''}".strip())
-    axes[0][0].set_ylabel("output tok/s")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
@@ -262,27 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     results, img = Path(a.results), Path(a.img)
     img.mkdir(parents=True, exist_ok=True)
     written = []
-    # The speedup figure from the latest five-shape run (the default estimator
-    # of its day), batch 1 from the latest run with it; the per-kernel windows
-    # from tpot_h200.json.
-    latest = _load(results / TPOT_LATEST) or _load(results / "tpot_h200.json")
-    qwen = _load(results / TPOT_QWEN_LATEST)
-    if latest or qwen:
-        written.append(plot_tpot_speedup(join_tpot(latest, qwen), img / "tpot_speedup.png"))
-    batch1 = (_load(results / TPOT_BATCH1_LATEST) or _load(results / "tpot_pdl_h200.json")
-              or _load(results / "tpot_h200.json"))  # fmt: skip
-    if batch1:
-        written.append(plot_tpot_batch1(batch1, img / "tpot_batch1.png"))
-    tpot = _load(results / "tpot_h200.json")
-    if tpot:
-        written.append(plot_breakdown(tpot, img / "step_breakdown.png"))
-    kernels = _load(results / "kernels_h200.json")
+    tpot = [_load(results / name) for name in TPOT_RECORDS]
+    if any(tpot):
+        written.append(plot_tpot_speedup(join_tpot(*tpot), img / "tpot_speedup.png"))
+    kernels = _load(results / KERNELS_RECORD)
     if kernels:
         written.append(plot_kernel_spread(kernels, img / "kernel_spread.png"))
-    serving = [data for data in map(_load, (results / n for n in SERVING_INPUTS)) if data]
-    if serving:
-        joined = {"rows": [row for data in serving for row in data.get("rows", [])]}
-        written.append(plot_serving(joined, img / "serving_throughput.png"))
     for path in written:
         if path:
             print(f"wrote {path}", flush=True)
