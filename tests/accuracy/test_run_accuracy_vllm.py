@@ -52,14 +52,18 @@ def test_export_writes_chat_token_ids(tmp_path):
         pytest.skip("MOIRA_SKIP_REAL_MODEL=1")
     for mod in ("transformers", "gguf", "accelerate"):
         pytest.importorskip(mod)
+    # The suite's default tasks and reserve: every prompt plus the answer budget (set by
+    # the task with the longest answers) fits the context.
     out = tmp_path / "prompts.json"
     args = R.build_parser().parse_args(["export", "--contexts", "2048", "--docs", "2",
-                                        "--tasks", "niah_single", "--out", str(out)])  # fmt: skip
+                                        "--out", str(out)])  # fmt: skip
     R.export(args)
     data = json.loads(out.read_text())
-    assert [d["id"] for d in data["docs"]] == ["niah_single|2048|0", "niah_single|2048|1"]
+    ids = [d["id"] for d in data["docs"]]
+    assert ids[:2] == ["niah_single|2048|0", "niah_single|2048|1"] and len(ids) == 10
+    assert data["reserve"] == R.SUITES["smollm2-135m"]["reserve"]
     for d in data["docs"]:
-        assert 1500 < len(d["prompt_token_ids"]) <= 2048
+        assert 1500 < len(d["prompt_token_ids"]) <= 2048 - data["max_new"]
         assert d["sample"]["answers"] and d["sample"]["context"] == 2048
     assert len(data["stop_token_ids"]) == 2
 
