@@ -16,8 +16,8 @@ SM, 1 KB reserved per block).
 
 What it is for: checking how a kernel change moves registers and occupancy
 before spending GPU time on it (the Merge-inside-Attend variant, docs/design.md,
-"Tried, not kept", took Attend from 148 to 114 registers). The numbers depend on the Triton version: the H200 host runs
-Triton 3.6; to match it here,
+"Tried, not kept", took Attend from 148 to 114 registers). The numbers depend on
+the Triton version: the H200 host runs Triton 3.6; to match it here,
 
     pip install triton==3.6.0 --no-deps --target /tmp/triton36
     python benchmarks/probes/kernel_resources.py --triton-path /tmp/triton36
