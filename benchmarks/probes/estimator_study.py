@@ -1,21 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 10: page-mass estimators on real SmolLM2-135M queries/keys (CPU).
+"""Page-mass estimators on real SmolLM2-135M queries/keys (CPU, float32 reference).
 
-    python -m benchmarks.probes.estimator_study [--contexts 4096 8192] [--prompts 2] [--last-k 16]
+    python -m benchmarks.probes.estimator_study [--contexts 4096] [--haystacks essays austen
+        mobydick] [--tasks niah_single niah_multikey niah_multiquery] [--last-k 16]
 
-For needle prompts (Paul Graham essays, one needle at 50% depth + question), the
-post-RoPE q/k/v of every layer at the last ``K`` prompt positions (teacher-forced
-decode steps) are captured once (cached under ``benchmarks/scratch/``, git-ignored)
-and every estimator x gamma is evaluated on the same rows:
+For needle prompts (``data.ruler_samples``: one needle, four confusable needles with one
+asked for, or four asked for at once; in any haystack), the post-RoPE q/k/v of every
+layer at the last ``K`` prompt positions (teacher-forced decode steps) are captured once
+(cached under ``benchmarks/scratch/``, git-ignored) and every estimator x gamma is
+evaluated on the same rows, one page list per (row, layer, KV head):
 
-- kept: mean kept fraction of pages (sink and current page included);
+- reads: mean kept fraction of pages (sink and current page included), and x oracle;
 - captured mass: true group-mean share (oracle pi-bar) of the kept pages, mean/p10/min;
-- needle drops: rows whose true share on a needle page is >= 0.05 and whose list
-  drops that page (``needle_rows`` = such rows in total);
-- out_err: mean relative L2 error of the attention output vs dense, per query head.
+- needle drops: needle-attending lists (true share of some needle page >= 0.05) whose list
+  misses such a page, with the (layer, KV head) of each drop;
+- out_err: mean relative L2 error of the attention output vs dense, and x oracle;
+- two-stage estimators (``2s/...``): the fraction of middle pages stage 2 refines.
 
-Writes ``benchmarks/results/estimator_smollm2.json`` and a heat map of the mean kept
-fraction per (layer, KV head) to ``docs/img/``.
+Writes one JSON record (``--out``); ``--heatmaps`` also writes kept-fraction heat maps
+per (layer, KV head) to ``docs/img/``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -30,6 +34,7 @@ import torch
 
 from benchmarks.accuracy import data as D
 from benchmarks.accuracy import harness as H
+from benchmarks.probes import research_estimators as research
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,57 +45,137 @@ GAMMAS = [0.95, 0.98, 0.99]
 NEEDLE_SHARE = 0.05
 
 
-def capture(tok, model, context: int, seed: int, last_k: int) -> dict:
-    path = CACHE / f"needle_{context}_s{seed}_k{last_k}.pt"
+NEEDLE_RE = re.compile(r"(?:One of the|The) special magic numbers? for [A-Za-z]+ is \d+\.")
+#: ``needle_mid``: the earlier study's prompt (one needle at 50% depth, ``data.needle_prompt``);
+#: the others: ``data.ruler_samples`` (random depths; multikey: four confusable needles, one
+#: asked for; multiquery: four asked for at once).
+TASKS = ("needle_mid", "niah_single", "niah_multikey", "niah_multiquery")
+
+
+def needle_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Token spans ``(first, last)`` of every needle sentence (``NEEDLE_RE``) in ``text``.
+
+    ``offsets`` are the tokenizer's character offsets of each token. The question
+    at the end names a key but has no number, so it does not match.
+    """
+    spans = []
+    for m in NEEDLE_RE.finditer(text):
+        toks = [i for i, (a, b) in enumerate(offsets) if b > m.start() and a < m.end()]
+        if toks:
+            spans.append((min(toks), max(toks)))
+    return spans
+
+
+def needle_pages(spans: list[tuple[int, int]], page: int) -> list[int]:
+    """Sorted pages that hold a token of any needle span."""
+    return sorted({p for a, b in spans for p in range(a // page, b // page + 1)})
+
+
+def capture(tok, model, context: int, seed: int, last_k: int, task: str = "niah_single",
+            haystack: str = "essays") -> dict:  # fmt: skip
+    """q/k/v of every layer at the last ``last_k`` prompt positions of one needle prompt
+    (``data.ruler_samples``: task, haystack, seed), cached under ``CACHE``."""
+    path = CACHE / f"{task}_{haystack}_{context}_s{seed}_k{last_k}.pt"
     if path.is_file():
         return torch.load(path)
-    sample, needle = D.needle_prompt(tok, context, depth=0.5, seed=seed)
+    if task == "needle_mid":
+        sample, _ = D.needle_prompt(tok, context, depth=0.5, seed=seed, haystack=haystack)
+    else:
+        sample = D.ruler_samples(tok, task, context, 1, seed=seed, haystacks=(haystack,))[0]
     msgs = [{"role": "user", "content": sample.prompt}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     text += sample.answer_prefix
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor([enc["input_ids"]])
-    c0 = text.index(needle)
-    c1 = c0 + len(needle)
-    span = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > c0 and a < c1]
+    spans = needle_spans(text, enc["offset_mapping"])
+    if not spans:
+        raise RuntimeError(f"{task}/{haystack}: no needle found in the prompt")
     t0 = time.time()
     H.forward_logits(model, ids, "capture", last_k)
     secs = time.time() - t0
     blob = {
         "layers": H.STATE.captured,
-        "needle_tokens": (min(span), max(span)),
+        "needle_spans": spans,
+        "needle_tokens": spans[0],  # estimator_lab reads the first needle
         "seq_len": ids.shape[1],
         "forward_s": secs,
-        "answer": sample.answers[0],
+        "answers": sample.answers,
     }
     CACHE.mkdir(parents=True, exist_ok=True)
     torch.save(blob, path)
-    print(f"[capture] ctx={context} seed={seed}: {ids.shape[1]} tokens, {secs:.1f}s", flush=True)
+    print(f"[capture] {task}/{haystack} ctx={context} seed={seed}: {ids.shape[1]} tokens, "
+          f"{len(spans)} needles, {secs:.1f}s", flush=True)  # fmt: skip
     return blob
 
 
-def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, heat: dict) -> None:
+CAPPED = {  # research.capped_spread_logmass variants: (REM spread?, radius cap?, channel cap?)
+    "rem_capr": (True, True, False),
+    "mvar_capr": (False, True, False),
+    "rem_capc": (True, False, True),
+    "mvar_capc": (False, False, True),
+}
+
+
+def parse_two_stage(name: str) -> tuple[str, str, float, float] | None:
+    """Two-stage estimators: ``(stage 1, stage 2, below, above)``, ``above = nan`` for ``2u``.
+
+    ``2s/<stage 1>/<stage 2>/<below>/<above>`` (e.g. ``2s/int8:mvar_rem/oracle/2/inf``):
+    stage 1 over every page, stage 2 for the pages of ``research.refine_band``;
+    ``2u/<stage 1>/<stage 2>/<slack>``: stage 2 for the pages stage 1 drops that the
+    radius bound cannot rule out (``research.bound_gated_logmass``).
+    """
+    parts = name.split("/")
+    if parts[0] == "2s" and len(parts) == 5:
+        return parts[1], parts[2], float(parts[3]), float(parts[4])
+    if parts[0] == "2u" and len(parts) == 4:
+        return parts[1], parts[2], float(parts[3]), math.nan
+    if parts[0] in ("2s", "2u"):
+        raise ValueError(f"expected 2s/<s1>/<s2>/<below>/<above> or 2u/<s1>/<s2>/<slack>: {name!r}")
+    return None
+
+
+def base_estimators(estimators) -> list[str]:
+    """Every single-stage estimator the list needs (two-stage names expanded)."""
+    out = []
+    for e in estimators:
+        two = parse_two_stage(e)
+        for b in (two[0], two[1]) if two else (e,):
+            if b not in out:
+                out.append(b)
+    return out
+
+
+def _new_stats() -> dict:
+    return {"kept": [], "cap": [], "err": [], "needle_lists": 0, "needle_drop": 0, "drops": {},
+            "drop_share_max": 0.0, "prompts_with_drop": set(), "refined": []}  # fmt: skip
+
+
+def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: str = "",
+            heat: dict | None = None) -> None:  # fmt: skip
+    """Add one captured prompt's rows to ``stats[(estimator, gamma)]``.
+
+    A (row, KV head) list is needle-attending when the true group-mean share of some
+    needle page is >= ``NEEDLE_SHARE``; it drops a needle when its list misses such a page.
+    """
     seq_total = blob["seq_len"]
-    n0, n1 = (t // H.PAGE for t in blob["needle_tokens"])
-    needle_pages = list(range(n0, n1 + 1))
+    spans = blob.get("needle_spans") or [tuple(blob["needle_tokens"])]
+    pages_of_needles = needle_pages(spans, H.PAGE)
+    bases = base_estimators(estimators)
     for layer, cap in blob["layers"].items():
         keys_all = cap["k"].float()
         vals_all = cap["v"].float()
         q_rows = cap["q"].float()  # [Hq, K, D]
         k_rows = q_rows.shape[1]
         n_full = seq_total // H.PAGE
-        summaries = {
-            e: H.page_summaries_for(keys_all, n_full, e)
-            for e in estimators
-            if e in ref.TOP_ESTIMATORS
-        }
-        for e in estimators:  # "int8:mvar_top4": the summary as stored, then read back
+        summaries = {}
+        for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
             base, storage = ref.parse_stored_estimator(e)
-            if storage is not None:
-                summaries[e] = ref.stored_summaries(
-                    H.page_summaries_for(keys_all, n_full, base), storage
-                )
+            if base in ref.TOP_ESTIMATORS or storage is not None:
+                summaries[e] = H.page_summaries_for(keys_all, n_full, e)
         summaries[None] = H.page_summaries_ext(keys_all, n_full)
+        h_kv, _, d = keys_all.shape
+        pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
+        radius, chan_dev = research.page_spread_bounds(pages)  # [n, H], [n, H, D]
         for i in range(k_rows):
             seq_len = seq_total - k_rows + i + 1
             q = q_rows[:, i]
@@ -101,32 +186,71 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, heat: dic
             true_pibar = ref.group_mean_shares(exact)  # [H, n]
             dense = [torch.arange(n, dtype=torch.int32)] * keys.shape[0]
             o_dense, _ = ref.attend_pages(q, keys, vals, dense, seq_len, scale)
+            ests = {}
+            for e in bases:
+                if e in CAPPED:
+                    rem, use_r, use_c = CAPPED[e]
+                    summ = summaries[None]
+                    # the current page (partial or not) is padded here, exact below
+                    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)
+                    est = research.capped_spread_logmass(
+                        q, summ[idx, :, 0], summ[idx, :, 1], scale,
+                        radius=radius[idx] if use_r else None,
+                        chan_dev=chan_dev[idx] if use_c else None, rem=rem,
+                    )  # fmt: skip
+                    est[..., 0] = exact[..., 0]
+                    est[..., n - 1] = exact[..., n - 1]
+                else:
+                    summ = summaries.get(e, summaries[None])
+                    base = ref.parse_stored_estimator(e)[0]
+                    est, _ = H.estimate_logmass(q, keys, seq_len, scale, base, summ, exact)
+                ests[e] = est
             for est_name in estimators:
-                summ = summaries.get(est_name, summaries[None])
-                base = ref.parse_stored_estimator(est_name)[0]
-                est, _ = H.estimate_logmass(q, keys, seq_len, scale, base, summ, exact)
-                pibar = ref.group_mean_shares(est)
+                two = parse_two_stage(est_name)
                 for gamma in gammas:
+                    if two and math.isnan(two[3]):
+                        idx = torch.arange(n).clamp_max(n_full - 1)
+                        upper = research.radius_upper_logmass(
+                            q, summaries[None][idx, :, 0], radius[idx], scale
+                        )
+                        est, mask = research.bound_gated_logmass(
+                            ests[two[0]], upper, ests[two[1]], gamma, two[2]
+                        )
+                    elif two:
+                        est, mask = research.two_stage_logmass(
+                            ests[two[0]], ests[two[1]], gamma, two[2], two[3]
+                        )
+                    else:
+                        est = ests[est_name]
+                    pibar = ref.group_mean_shares(est)
                     lists = [ref.select_pages(pibar[h], gamma=gamma) for h in range(len(pibar))]
                     o, _ = ref.attend_pages(q, keys, vals, lists, seq_len, scale)
                     err = (
                         (o - o_dense).norm(dim=-1) / o_dense.norm(dim=-1).clamp_min(1e-12)
                     ).mean()
-                    s = stats.setdefault(
-                        (est_name, gamma),
-                        {"kept": [], "cap": [], "err": [], "needle_rows": 0, "needle_drop": 0},
-                    )
+                    s = stats.setdefault((est_name, gamma), _new_stats())
                     s["err"].append(float(err))
+                    if two:  # fraction of the middle pages stage 2 refines, per KV head
+                        s["refined"] += mask[:, 1 : n - 1].float().mean(dim=1).tolist()
                     for h, lst in enumerate(lists):
                         kept = set(lst.tolist())
                         s["kept"].append(len(kept) / n)
+                        if heat is not None:
+                            heat.setdefault((est_name, gamma, layer, h), []).append(len(kept) / n)
                         s["cap"].append(float(true_pibar[h, lst.long()].sum()))
-                        key = (est_name, gamma, layer, h)
-                        heat.setdefault(key, []).append(len(kept) / n)
-                        for p in needle_pages:
-                            if p < n and float(true_pibar[h, p]) >= NEEDLE_SHARE:
-                                s["needle_rows"] += 1
-                                s["needle_drop"] += int(p not in kept)
+                        hot = [p for p in pages_of_needles
+                               if p < n and float(true_pibar[h, p]) >= NEEDLE_SHARE]  # fmt: skip
+                        if not hot:
+                            continue
+                        s["needle_lists"] += 1
+                        missed = [p for p in hot if p not in kept]
+                        if missed:
+                            s["needle_drop"] += 1
+                            key = f"L{layer}/H{h}"
+                            s["drops"][key] = s["drops"].get(key, 0) + 1
+                            s["prompts_with_drop"].add(label)
+                            top = max(float(true_pibar[h, p]) for p in missed)
+                            s["drop_share_max"] = max(s["drop_share_max"], top)
 
 
 def quantile(xs, q):
@@ -135,23 +259,52 @@ def quantile(xs, q):
 
 
 def summarize(stats) -> list[dict]:
+    """One row per (estimator, gamma); ``*_x_oracle`` against the oracle at the same gamma
+    (when it was run)."""
     rows = []
-    for (est, gamma), s in sorted(stats.items(), key=lambda x: (x[0][0], x[0][1])):
-        rows.append(
-            {
-                "estimator": est,
-                "gamma": gamma,
-                "rows": len(s["kept"]),
-                "kept_mean": sum(s["kept"]) / len(s["kept"]),
-                "captured_mean": sum(s["cap"]) / len(s["cap"]),
-                "captured_p10": quantile(s["cap"], 0.10),
-                "captured_min": min(s["cap"]),
-                "needle_rows": s["needle_rows"],
-                "needle_dropped": s["needle_drop"],
-                "out_err_mean": sum(s["err"]) / len(s["err"]),
-            }
-        )
+    for (est, gamma), s in sorted(stats.items(), key=lambda x: (x[0][1], x[0][0])):
+        nl = s["needle_lists"]
+        row = {
+            "estimator": est,
+            "gamma": gamma,
+            "lists": len(s["kept"]),
+            "kept_mean": sum(s["kept"]) / len(s["kept"]),
+            "captured_mean": sum(s["cap"]) / len(s["cap"]),
+            "captured_p10": quantile(s["cap"], 0.10),
+            "captured_min": min(s["cap"]),
+            "out_err_mean": sum(s["err"]) / len(s["err"]),
+            "needle_lists": nl,
+            "needle_dropped": s["needle_drop"],
+            "needle_dropped_pct": 100.0 * s["needle_drop"] / nl if nl else math.nan,
+            "needle_drop_share_max": s["drop_share_max"],
+            "prompts_with_drop": sorted(s["prompts_with_drop"]),
+            "drops_by_layer_head": dict(sorted(s["drops"].items(), key=lambda kv: -kv[1])),
+        }
+        if s["refined"]:
+            row["stage2_fraction_mean"] = sum(s["refined"]) / len(s["refined"])
+            row["stage2_fraction_p90"] = quantile(s["refined"], 0.90)
+        oracle = stats.get(("oracle", gamma))
+        if oracle is not None:
+            row["kept_x_oracle"] = row["kept_mean"] / (sum(oracle["kept"]) / len(oracle["kept"]))
+            row["err_x_oracle"] = row["out_err_mean"] / (sum(oracle["err"]) / len(oracle["err"]))
+        rows.append(row)
     return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table (what docs/estimator.md shows)."""
+    out = ["| estimator | γ | reads (× oracle) | captured p10 | error (× oracle) | needle "
+           "dropped / lists (%) | stage-2 pages |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        stage2 = f"{r['stage2_fraction_mean']:.3f}" if "stage2_fraction_mean" in r else "—"
+        out.append(
+            f"| {r['estimator']} | {r['gamma']} | {r['kept_mean']:.3f} "
+            f"({r.get('kept_x_oracle', math.nan):.2f}) | {r['captured_p10']:.3f} | "
+            f"{r['out_err_mean']:.4f} ({r.get('err_x_oracle', math.nan):.2f}) | "
+            f"{r['needle_dropped']}/{r['needle_lists']} ({r['needle_dropped_pct']:.1f}) | "
+            f"{stage2} |"
+        )
+    return "\n".join(out)
 
 
 def write_png(path: Path, grid: torch.Tensor, cell: int = 12) -> None:
@@ -193,41 +346,74 @@ def cv(xs: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
-    ap.add_argument("--prompts", type=int, default=1, help="needle prompts per context")
-    ap.add_argument("--last-k", type=int, default=16)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    ap.add_argument("--haystacks", nargs="+", default=["essays"], choices=sorted(D.HAYSTACKS))
+    ap.add_argument("--tasks", nargs="+", default=["needle_mid"], choices=TASKS)
+    ap.add_argument("--prompts", type=int, default=1, help="seeds per (context, haystack, task)")
+    ap.add_argument("--last-k", type=int, default=16, help="teacher-forced rows per prompt")
     ap.add_argument("--estimators", nargs="+", default=ESTIMATORS)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "benchmarks/results/estimator_smollm2.json"))
+    ap.add_argument("--gammas", type=float, nargs="+", default=GAMMAS)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--heatmaps", action="store_true",
+                    help="write kept-fraction heat maps (gamma 0.98) to docs/img/")  # fmt: skip
+    ap.add_argument(
+        "--out", default=str(REPO / "benchmarks/results/estimator/estimator_study.json")
+    )
     args = ap.parse_args()
     t_start = time.time()
     tok, model = H.load_model(threads=args.threads or None)
     scale = model.config.head_dim**-0.5
     results, captures = [], []
-    heat_all: dict = {}
-    for ctx in args.contexts:
-        stats: dict = {}
-        for seed in range(args.prompts):
-            blob = capture(tok, model, ctx, seed, args.last_k)
-            captures.append(
-                {
-                    "context": ctx,
-                    "seed": seed,
-                    "tokens": blob["seq_len"],
-                    "needle_tokens": list(blob["needle_tokens"]),
-                    "forward_s": round(blob["forward_s"], 1),
-                }
-            )
-            t0 = time.time()
-            analyse(blob, scale, args.estimators, GAMMAS, stats, heat_all)
-            print(f"[analyse] ctx={ctx} seed={seed}: {time.time() - t0:.1f}s", flush=True)
+    heat_all: dict | None = {} if args.heatmaps else None
+    runs = [(c, hay, task, seed) for c in args.contexts for hay in args.haystacks
+            for task in args.tasks for seed in range(args.prompts)]  # fmt: skip
+    stats_by_ctx: dict = {}
+    for j, (ctx, hay, task, seed) in enumerate(runs):
+        label = f"{task}/{hay}/{ctx}/s{seed}"
+        blob = capture(tok, model, ctx, seed, args.last_k, task, hay)
+        captures.append(
+            {
+                "prompt": label,
+                "tokens": blob["seq_len"],
+                "needle_spans": [list(x) for x in blob["needle_spans"]],
+                "forward_s": round(blob["forward_s"], 1),
+            }
+        )
+        t0 = time.time()
+        stats = stats_by_ctx.setdefault(ctx, {})
+        analyse(blob, scale, args.estimators, args.gammas, stats, label, heat_all)
+        print(f"[analyse {j + 1}/{len(runs)}] {label}: {time.time() - t0:.1f}s "
+              f"(total {time.time() - t_start:.0f}s)", flush=True)  # fmt: skip
+    for ctx, stats in stats_by_ctx.items():
         for row in summarize(stats):
             row["context"] = ctx
             results.append(row)
-            print(json.dumps(row), flush=True)
-    # heat maps + CV of kept fraction per (layer, KV head)
-    n_layers = model.config.num_hidden_layers
-    h_kv = model.config.num_key_value_heads
+        print(f"context {ctx}:\n" + table([r for r in results if r["context"] == ctx]))
+    out = {
+        "command": "python -m benchmarks.probes.estimator_study "
+        + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+            if k not in ("out", "heatmaps")
+        )
+        + (" --heatmaps" if args.heatmaps else ""),
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> bf16 -> fp32, CPU)",
+        "needle_share_threshold": NEEDLE_SHARE,
+        "captures": captures,
+        "rows": results,
+        "seconds": round(time.time() - t_start, 1),
+    }
+    if heat_all is not None:
+        out["kept_fraction_variation_gamma_0.98"] = heat_maps(model.config, heat_all, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out} ({time.time() - t_start:.0f}s)")
+
+
+def heat_maps(config, heat_all: dict, args) -> dict:
+    """Heat maps (docs/img/) and CV of the kept fraction per (layer, KV head) at gamma 0.98."""
+    n_layers = config.num_hidden_layers
+    h_kv = config.num_key_value_heads
     variation = {}
     for est in ("oracle", "mvar", "mvar_top4", "mvar_top2"):
         if est not in args.estimators:
@@ -248,23 +434,7 @@ def main() -> None:
             ),
             "cv_across_steps_mean": float(torch.tensor(per_step).nanmean()),
         }
-    out = {
-        "command": "python -m benchmarks.probes.estimator_study "
-        + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()
-            if k != "out"
-        ),
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> bf16 -> fp32, CPU)",
-        "needle_share_threshold": NEEDLE_SHARE,
-        "captures": captures,
-        "rows": results,
-        "kept_fraction_variation_gamma_0.98": variation,
-        "seconds": round(time.time() - t_start, 1),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out} ({time.time() - t_start:.0f}s)")
+    return variation
 
 
 if __name__ == "__main__":

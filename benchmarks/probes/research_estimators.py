@@ -136,3 +136,118 @@ def estimate_row_logmass_robust(
     est[..., 0] = exact[..., 0]
     est[..., n - 1] = exact[..., n - 1]
     return est
+
+
+# --------------------------------------------------------------------------
+# Cheaper candidates: a spread term capped by a page bound, and two-stage Estimate
+# --------------------------------------------------------------------------
+def page_spread_bounds(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per page of keys ``[..., 64, D]``: the L2 radius ``max_t ||k_t - mu||`` (``[...]``)
+    and the per-channel deviation ``max_t |k_td - mu_d|`` (``[..., D]``), mu the page mean."""
+    dev = pages.float() - pages.float().mean(dim=-2, keepdim=True)
+    return dev.norm(dim=-1).amax(dim=-1), dev.abs().amax(dim=-2)
+
+
+def capped_spread_logmass(
+    query: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    scale: float,
+    radius: torch.Tensor | None = None,
+    chan_dev: torch.Tensor | None = None,
+    rem: bool = True,
+) -> torch.Tensor:
+    """``x.mu + min(spread, bound) + log 64`` with ``x = s q``: ``[H_kv, G, n]``.
+
+    ``spread`` is the REM term of ``x^2.var`` (``rem=True``) or Eq. 2's ``x^2.var / 2``.
+    The bound caps the log-mean-exp above the mean logit by the page's largest
+    deviation along x: ``|x| * radius`` (Cauchy-Schwarz; ``radius`` ``[n, H_kv]``) and/or
+    ``sum_d |x_d| chan_dev_d`` (``chan_dev`` ``[n, H_kv, D]``). ``mean``/``var``: ``[n, H_kv, D]``.
+    """
+    h_kv = mean.shape[1]
+    x = query.float().view(h_kv, -1, query.shape[-1]) * scale  # [H, G, D]
+    mean_term = torch.einsum("hgd,nhd->hgn", x, mean.float())
+    v = torch.einsum("hgd,nhd->hgn", x * x, var.float())
+    spread = ref.rem_spread(v, ref.PAGE_SIZE) if rem else 0.5 * v
+    if radius is not None:
+        bound = x.norm(dim=-1, keepdim=True) * radius.float().t().unsqueeze(1)  # [H, G, n]
+        spread = torch.minimum(spread, bound)
+    if chan_dev is not None:
+        spread = torch.minimum(spread, torch.einsum("hgd,nhd->hgn", x.abs(), chan_dev.float()))
+    return mean_term + spread + math.log(ref.PAGE_SIZE)
+
+
+def refine_band(pibar: torch.Tensor, gamma: float, below: float, above: float) -> torch.Tensor:
+    """Pages a two-stage Estimate refines, from stage 1's group-mean shares ``[n]``.
+
+    ``tau`` is the smallest share Select keeps at ``gamma`` from stage 1 alone; the
+    middle pages (not the sink, not the current page: exact anyway) whose share
+    lies in ``[tau e^-below, tau e^above]`` are refined. ``above=inf``: every
+    page stage 1 keeps, and the band below it. Returns a bool mask ``[n]``.
+    """
+    n = pibar.numel()
+    mask = torch.zeros(n, dtype=torch.bool)
+    if n <= 2:
+        return mask
+    kept = ref.select_pages(pibar, gamma=gamma).long()
+    middle_kept = kept[(kept > 0) & (kept < n - 1)]
+    if middle_kept.numel() == 0:
+        return mask
+    tau = float(pibar[middle_kept].min())
+    share = pibar[1 : n - 1].float()
+    lo = tau * math.exp(-below)
+    hi = math.inf if math.isinf(above) else tau * math.exp(above)
+    mask[1 : n - 1] = (share >= lo) & (share <= hi)
+    return mask
+
+
+def two_stage_logmass(
+    stage1: torch.Tensor, stage2: torch.Tensor, gamma: float, below: float, above: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's log-masses ``[H_kv, G, n]`` with the pages of :func:`refine_band`
+    (per KV head, from stage 1's group-mean shares) replaced by stage 2's.
+    Returns ``(log-masses, refined mask [H_kv, n])``."""
+    pibar = ref.group_mean_shares(stage1)
+    mask = torch.stack([refine_band(pibar[h], gamma, below, above) for h in range(len(pibar))])
+    return torch.where(mask.unsqueeze(1), stage2, stage1), mask
+
+
+def radius_upper_logmass(
+    query: torch.Tensor, mean: torch.Tensor, radius: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Upper bound of every page's log-mass from its mean and L2 radius (one scalar per
+    page): ``x.mu + |x| radius + log 64`` (each key's logit is at most ``x.mu + |x| radius``).
+    ``mean`` ``[n, H_kv, D]``, ``radius`` ``[n, H_kv]``; returns ``[H_kv, G, n]``."""
+    h_kv = mean.shape[1]
+    x = query.float().view(h_kv, -1, query.shape[-1]) * scale
+    mean_term = torch.einsum("hgd,nhd->hgn", x, mean.float())
+    bound = x.norm(dim=-1, keepdim=True) * radius.float().t().unsqueeze(1)
+    return mean_term + bound + math.log(ref.PAGE_SIZE)
+
+
+def bound_gated_logmass(
+    stage1: torch.Tensor, upper: torch.Tensor, stage2: torch.Tensor, gamma: float, slack: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-stage Estimate gated by an upper bound: the middle pages that stage 1 alone
+    would drop at ``gamma`` but whose upper bound's share (normalized by stage 1's total
+    mass, group mean) reaches ``tau e^-slack`` get stage 2's log-mass; the pages stage 1
+    keeps and those the bound rules out keep stage 1's. ``[H_kv, G, n]`` inputs; returns
+    ``(log-masses, refined mask [H_kv, n])``."""
+    h_kv, _, n = stage1.shape
+    mask = torch.zeros(h_kv, n, dtype=torch.bool)
+    if n <= 2:
+        return stage1.clone(), mask
+    pibar = ref.group_mean_shares(stage1)
+    total = torch.logsumexp(stage1, dim=-1, keepdim=True)
+    upper_share = torch.exp(upper - total).mean(dim=1)  # [H, n]
+    for h in range(h_kv):
+        kept = ref.select_pages(pibar[h], gamma=gamma).long()
+        middle_kept = kept[(kept > 0) & (kept < n - 1)]
+        if middle_kept.numel() == 0:
+            continue
+        tau = float(pibar[h, middle_kept].min())
+        dropped = torch.ones(n, dtype=torch.bool)
+        dropped[kept] = False
+        dropped[0] = dropped[n - 1] = False
+        mask[h] = dropped & (upper_share[h] >= tau * math.exp(-slack))
+    return torch.where(mask.unsqueeze(1), stage2, stage1), mask

@@ -106,3 +106,80 @@ def test_reference_keeps_only_the_shipped_estimators():
     table = torch.tensor([2, 0, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="unknown estimator 'box'"):
         ref.estimate_row_logmass(query, kv, ext, table, 2 * PAGE + 1, SCALE, "box")
+
+
+def _pages_and_exact(seed: int):
+    kv, query = _paged_case(seed)
+    pages = kv[:, :, :, :D]  # [n, H, 64, D]
+    logits = torch.einsum("hgd,nhtd->hgnt", query.view(2, 3, D) * SCALE, pages)
+    return pages, query, torch.logsumexp(logits, dim=-1)
+
+
+def test_page_spread_bounds_are_the_largest_deviations_from_the_mean():
+    pages, _, _ = _pages_and_exact(6)
+    radius, chan = research.page_spread_bounds(pages)
+    dev = pages - pages.mean(dim=2, keepdim=True)
+    assert radius.shape == pages.shape[:2] and chan.shape == (*pages.shape[:2], D)
+    torch.testing.assert_close(radius, dev.norm(dim=-1).amax(dim=-1))
+    torch.testing.assert_close(chan, dev.abs().amax(dim=2))
+    assert float(radius[3, 0]) > float(radius[2, 0]) + 3.0  # the outlier key of page 3
+
+
+def test_radius_bound_is_an_upper_bound_and_caps_the_gaussian_spread():
+    pages, query, exact = _pages_and_exact(7)
+    mean, var = pages.mean(dim=2), pages.var(dim=2, unbiased=False)
+    radius, chan = research.page_spread_bounds(pages)
+    sharp = query * 40.0  # Eq. 2's x^2 var / 2 grows past the radius bound
+    upper = research.radius_upper_logmass(sharp, mean, radius, SCALE)
+    logits = torch.einsum("hgd,nhtd->hgnt", sharp.view(2, 3, D) * SCALE, pages)
+    assert bool((upper >= torch.logsumexp(logits, -1) - 1e-4).all())
+    gauss = research.capped_spread_logmass(sharp, mean, var, SCALE, rem=False)
+    torch.testing.assert_close(
+        gauss, ref.mvar_page_logmass(sharp, torch.stack([mean, var], 2), SCALE)
+    )
+    capped = research.capped_spread_logmass(sharp, mean, var, SCALE, radius=radius, rem=False)
+    torch.testing.assert_close(capped, torch.minimum(gauss, upper))
+    assert bool((capped < gauss - 1.0).any())
+    both = research.capped_spread_logmass(sharp, mean, var, SCALE, radius, chan, rem=True)
+    assert bool((both <= capped + 1e-4).all())
+    rem = ref.rem_page_logmass(sharp, torch.stack([mean, var], 2), SCALE)
+    assert bool((both <= rem + 1e-4).all())
+
+
+def test_refine_band_brackets_the_stage1_threshold():
+    pibar = torch.tensor([0.05, 0.40, 0.20, 0.10, 0.05, 0.02, 0.005, 0.1])
+    # gamma 0.88: target 0.88 - 0.05 - 0.1 = 0.73 -> middle pages 0.40, 0.20, 0.10, 0.05: tau 0.05
+    assert ref.select_pages(pibar, gamma=0.88).tolist() == [0, 1, 2, 3, 4, 7]
+    band = research.refine_band(pibar, 0.88, below=math.log(3.0), above=math.log(2.5))
+    assert band.tolist() == [False, False, False, True, True, True, False, False]
+    above_all = research.refine_band(pibar, 0.88, below=0.0, above=math.inf)
+    assert above_all.tolist() == [False, True, True, True, True, False, False, False]
+    assert not research.refine_band(pibar[:2], 0.9, 1.0, 1.0).any()
+
+
+def test_two_stage_replaces_only_the_refined_pages():
+    gen = torch.Generator().manual_seed(8)
+    stage1 = torch.randn(2, 3, 10, generator=gen) * 2
+    stage2 = stage1 + 5.0
+    est, mask = research.two_stage_logmass(stage1, stage2, 0.9, 1.0, 1.0)
+    assert mask.shape == (2, 10) and bool(mask.any()) and not bool(mask.all())
+    assert not bool(mask[:, [0, 9]].any())
+    pibar = ref.group_mean_shares(stage1)
+    for h in range(2):
+        torch.testing.assert_close(mask[h], research.refine_band(pibar[h], 0.9, 1.0, 1.0))
+    torch.testing.assert_close(est, torch.where(mask.unsqueeze(1), stage2, stage1))
+
+
+def test_bound_gated_refines_dropped_pages_the_bound_cannot_rule_out():
+    stage1 = torch.log(torch.tensor([[[0.1, 0.5, 0.3, 0.02, 0.01, 0.07]]]))  # one KV head, G=1
+    upper = stage1.clone()
+    upper[..., 3] = math.log(0.4)  # might be a big page
+    upper[..., 4] = math.log(0.011)  # bounded: cannot matter
+    stage2 = stage1 + 1.0
+    # gamma 0.9: target 0.9 - 0.1 - 0.07 = 0.73 -> keeps 0.5, 0.3; tau 0.3
+    est, mask = research.bound_gated_logmass(stage1, upper, stage2, 0.9, slack=0.0)
+    assert mask.tolist() == [[False, False, False, True, False, False]]
+    torch.testing.assert_close(est[..., 3], stage2[..., 3])
+    torch.testing.assert_close(est[..., [0, 1, 2, 4, 5]], stage1[..., [0, 1, 2, 4, 5]])
+    _, wide = research.bound_gated_logmass(stage1, upper, stage2, 0.9, slack=math.log(100.0))
+    assert wide.tolist() == [[False, False, False, True, True, False]]

@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""benchmarks/probes/estimator_study.py: needle spans, two-stage names, the summary rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from _load import load
+
+study = load("probes.estimator_study")
+
+
+def test_needle_spans_find_every_needle_and_not_the_question():
+    text = (
+        "Call me Ishmael. The special magic number for Oslo is 1234567. Some years ago. "
+        "One of the special magic numbers for Rome is 7654321. What is the special magic "
+        "number for Oslo mentioned in the text above?"
+    )
+    # one token per word, offsets from the text itself
+    offsets, pos = [], 0
+    for word in text.split(" "):
+        offsets.append((pos, pos + len(word)))
+        pos += len(word) + 1
+    spans = study.needle_spans(text, offsets)
+    assert len(spans) == 2
+    words = text.split(" ")
+    assert " ".join(words[spans[0][0] : spans[0][1] + 1]) == (
+        "The special magic number for Oslo is 1234567."
+    )
+    assert words[spans[1][0]] == "One" and words[spans[1][1]] == "7654321."
+    assert study.needle_pages([(60, 70), (200, 205), (130, 130)], 64) == [0, 1, 2, 3]
+
+
+def test_parse_two_stage_names():
+    assert study.parse_two_stage("int8:mvar_top8") is None
+    assert study.parse_two_stage("2s/int8:mvar_rem/oracle/2/inf") == (
+        "int8:mvar_rem",
+        "oracle",
+        2.0,
+        math.inf,
+    )
+    s1, s2, slack, nan = study.parse_two_stage("2u/mvar_rem/oracle/1.5")
+    assert (s1, s2, slack) == ("mvar_rem", "oracle", 1.5) and math.isnan(nan)
+    with pytest.raises(ValueError, match="2s/"):
+        study.parse_two_stage("2s/mvar_rem/oracle/2")
+    assert study.base_estimators(["oracle", "2s/int8:mvar_rem/oracle/1/1", "mvar"]) == [
+        "oracle",
+        "int8:mvar_rem",
+        "mvar",
+    ]
+
+
+def test_summarize_reports_ratios_to_the_oracle_and_needle_drops():
+    stats = {}
+    for name, kept, err, drops in (("oracle", 0.4, 0.02, {}), ("mvar", 0.5, 0.03, {"L18/H2": 2})):
+        s = study._new_stats()
+        s["kept"] = [kept] * 10
+        s["cap"] = [0.98] * 10
+        s["err"] = [err] * 5
+        s["needle_lists"] = 8
+        s["needle_drop"] = sum(drops.values())
+        s["drops"] = drops
+        stats[(name, 0.98)] = s
+    rows = {r["estimator"]: r for r in study.summarize(stats)}
+    assert rows["mvar"]["kept_x_oracle"] == pytest.approx(1.25)
+    assert rows["mvar"]["err_x_oracle"] == pytest.approx(1.5)
+    assert rows["mvar"]["needle_dropped_pct"] == pytest.approx(25.0)
+    assert rows["mvar"]["drops_by_layer_head"] == {"L18/H2": 2}
+    assert rows["oracle"]["needle_dropped"] == 0
+    assert "stage2_fraction_mean" not in rows["mvar"]
+    assert "| mvar | 0.98 | 0.500 (1.25) |" in study.table(list(rows.values()))
