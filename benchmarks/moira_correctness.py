@@ -587,19 +587,41 @@ ESTIMATE_SWEEP = [
 
 # Select launch candidates: (thresholds per bisection pass, warps).
 SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
-# Attend candidates: ATTEND_LAUNCH changes and MoiraConfig split constants
-# (min_chunk_pages C, attend_fill_blocks N_F, ...); {} = the default.
+# Attend candidates, each timed under both schedules: launch changes (num_warps and
+# num_stages of ATTEND_LAUNCH; maxnreg of the schedule's own launch dict) and MoiraConfig
+# split constants (min_chunk_pages C, used by `lists` only; attend_fill_blocks N_F);
+# {} = the default.
 ATTEND_SWEEP = [
     {},
     {"num_stages": 2},
     {"num_stages": 4},
+    {"num_stages": 5},
     {"num_warps": 8},
+    {"num_warps": 8, "num_stages": 4},
     {"maxnreg": 128},
+    {"maxnreg": None},
     *({"min_chunk_pages": c} for c in (8, 12, 16, 32)),
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
     {"min_chunk_pages": 12, "attend_fill_blocks": 792},
     {"min_chunk_pages": 12, "maxnreg": 128},
 ]
+ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNCH"}
+
+
+def split_attend_changes(changes: dict, schedule: str) -> tuple[dict, dict, dict] | None:
+    """One ATTEND_SWEEP entry under ``schedule``: (ATTEND_LAUNCH changes, changes of the
+    schedule's own launch dict, MoiraConfig changes), or None where the entry does not
+    apply (min_chunk_pages under `pages`, which splits by blocks, not chunks)."""
+    if schedule not in ATTEND_SCHEDULE_LAUNCH:
+        raise ValueError(f"schedule must be one of {sorted(ATTEND_SCHEDULE_LAUNCH)}")
+    if schedule == "pages" and "min_chunk_pages" in changes:
+        return None
+    launch = {k: v for k, v in changes.items() if k in ("num_warps", "num_stages")}
+    own = {k: v for k, v in changes.items() if k == "maxnreg"}
+    if schedule == "lists":
+        launch, own = {**launch, **own}, {}
+    config = {k: v for k, v in changes.items() if k not in ("num_warps", "num_stages", "maxnreg")}
+    return launch, own, config
 
 
 def sweep_estimate_launch(case, estimate, ws):
@@ -743,6 +765,51 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
     return rows
 
 
+def sweep_attend_launch(case, out, ws_lists, ws_pages, scales) -> list[dict]:
+    """Attend + Merge µs of every ATTEND_SWEEP entry under each schedule, on the lists
+    already in ``ws_lists`` / ``ws_pages`` (the same pages), with the largest difference
+    from the schedule's default output (same pages, another summation order: within bf16
+    rounding)."""
+    defaults = {
+        name: dict(getattr(moira, name)) for name in ("ATTEND_LAUNCH", "ATTEND_PAGES_LAUNCH")
+    }
+    rows = []
+    for schedule, ws in (("lists", ws_lists), ("pages", ws_pages)):
+        own_name = ATTEND_SCHEDULE_LAUNCH[schedule]
+        reference = None
+        # The default first: the reference every candidate's output is compared with.
+        for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
+            split = split_attend_changes(changes, schedule)
+            if split is None:
+                continue
+            launch, own, config_changes = split
+            moira.ATTEND_LAUNCH.update(launch)
+            getattr(moira, own_name).update(own)
+            ws_c = ws
+            if config_changes:
+                ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes))
+                ws_c.page_list.copy_(ws.page_list)
+                ws_c.page_count.copy_(ws.page_count)
+            candidate = torch.full_like(out, float("nan"))
+            try:
+                us = graph_time_us(
+                    lambda ws_c=ws_c, candidate=candidate: moira.attend(
+                        case["query"], case["kv"], case["table"], case["seq"],
+                        ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
+                )  # fmt: skip
+            finally:
+                for name, default in defaults.items():
+                    getattr(moira, name).clear()
+                    getattr(moira, name).update(default)
+            if reference is None:
+                reference = candidate.clone()
+            diff = (candidate.float() - reference.float()).abs().max().item()
+            entry = {"schedule": schedule, **changes}
+            rows.append({**entry, "us": us, "max_abs_diff_vs_default": diff})
+            print("attend", entry, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
+    return rows
+
+
 def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_select=False):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -804,35 +871,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["attend_pages_merge_us"] = attend_pages_us
     rows["attend_pages_tbps"] = kept_bytes / (attend_pages_us * 1e-6) / 1e12
     if sweep_attend:
-        default = dict(moira.ATTEND_LAUNCH)
-        reference_out = out.clone()
-        rows["attend_sweep"] = []
-        for changes in ATTEND_SWEEP:
-            # MoiraConfig fields (the split constants) go to a workspace of
-            # their own holding the same lists; the rest to ATTEND_LAUNCH.
-            config_changes = {k: v for k, v in changes.items() if k not in moira.ATTEND_LAUNCH}
-            moira.ATTEND_LAUNCH.update(
-                {k: v for k, v in changes.items() if k in moira.ATTEND_LAUNCH}
-            )
-            ws_c = ws_fixed
-            if config_changes:
-                ws_c = workspace(case, dataclasses.replace(fixed, **config_changes))
-                ws_c.page_list.copy_(ws_fixed.page_list)
-                ws_c.page_count.copy_(ws_fixed.page_count)
-            candidate = torch.full_like(out, float("nan"))
-            us = graph_time_us(
-                lambda ws_c=ws_c, candidate=candidate: moira.attend(
-                    case["query"], case["kv"], case["table"], case["seq"],
-                    ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
-            )  # fmt: skip
-            # Same pages, other summation order: within bf16 rounding of the
-            # default's output.
-            diff = (candidate.float() - reference_out.float()).abs().max().item()
-            entry = {**moira.ATTEND_LAUNCH, **config_changes}
-            rows["attend_sweep"].append({**entry, "us": us, "max_abs_diff_vs_default": diff})
-            print("attend", entry, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
-            moira.ATTEND_LAUNCH.clear()
-            moira.ATTEND_LAUNCH.update(default)
+        rows["attend_sweep"] = sweep_attend_launch(case, out, ws_fixed, ws_pages, scales)
     if sweep_estimate_select:
         rows.update(sweep_estimate_and_select(case, ws))
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
@@ -862,11 +901,12 @@ def main():
     parser.add_argument(
         "--sweep-attend",
         action="store_true",
-        help="time Attend launch configs (outputs checked against the default)",
+        help="time Attend launch configs under both schedules (outputs checked against "
+        "each schedule's default)",
     )
     parser.add_argument("--attend-sweep", default=None,
-                        help="JSON list of ATTEND_LAUNCH changes for --sweep-attend "
-                        "(default: ATTEND_SWEEP)")  # fmt: skip
+                        help="JSON list of launch and MoiraConfig changes for "
+                        "--sweep-attend (default: ATTEND_SWEEP)")  # fmt: skip
     parser.add_argument("--sweep-estimate-select", action="store_true",
                         help="time Estimate (also per --estimators entry) and Select launch "
                         "configs (log-masses and lists checked)")  # fmt: skip

@@ -4,6 +4,7 @@ from the reference's is classified."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _load import load
 
@@ -57,3 +58,35 @@ def test_pages_within_the_bisection_resolution_are_near_ties():
     assert mc.is_near_tie(both, pibar, gamma)
     with_light_page = torch.tensor(sorted(set(expected) | {3, 4}), dtype=torch.int32)
     assert not mc.is_near_tie(with_light_page, pibar, gamma)
+
+
+def test_attend_sweep_entries_split_by_schedule():
+    # Warps and stages are shared by both Attend kernels; maxnreg goes to the schedule's
+    # own launch dict; MoiraConfig fields to a workspace of their own.
+    assert mc.split_attend_changes({}, "lists") == ({}, {}, {})
+    assert mc.split_attend_changes({"num_warps": 8, "maxnreg": 128}, "lists") == (
+        {"num_warps": 8, "maxnreg": 128}, {}, {})  # fmt: skip
+    assert mc.split_attend_changes({"num_stages": 4, "maxnreg": None}, "pages") == (
+        {"num_stages": 4}, {"maxnreg": None}, {})  # fmt: skip
+    assert mc.split_attend_changes({"attend_fill_blocks": 792}, "pages") == (
+        {}, {}, {"attend_fill_blocks": 792})  # fmt: skip
+    # `pages` has no chunks: an entry that changes the chunk size does not apply.
+    assert mc.split_attend_changes({"min_chunk_pages": 12}, "pages") is None
+    assert mc.split_attend_changes({"min_chunk_pages": 12}, "lists") == (
+        {}, {}, {"min_chunk_pages": 12})  # fmt: skip
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        mc.split_attend_changes({}, "ragged")
+
+
+def test_attend_sweep_names_only_known_settings():
+    # Every key of every candidate is a launch setting or a MoiraConfig field, and the
+    # schedules' launch dicts are the backend's.
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(mc.moira.MoiraConfig)}
+    for changes in mc.ATTEND_SWEEP:
+        for key in changes:
+            assert key in ("num_warps", "num_stages", "maxnreg") or key in fields, key
+    for name in mc.ATTEND_SCHEDULE_LAUNCH.values():
+        assert isinstance(getattr(mc.moira, name), dict)
+    assert "maxnreg" in mc.moira.ATTEND_PAGES_LAUNCH and "maxnreg" in mc.moira.ATTEND_LAUNCH
