@@ -361,9 +361,8 @@ def is_near_tie(got: torch.Tensor, pibar: torch.Tensor, gamma: float) -> bool:
     pages = got.tolist()
     low = set(ref.select_pages(pibar, gamma=gamma - NEAR_TIE_SHARE).tolist())
     high = set(ref.select_pages(pibar, gamma=min(gamma + NEAR_TIE_SHARE, 1.0)).tolist())
-    middle = [p for p in ref.select_pages(pibar, gamma=gamma).tolist() if 0 < p < n - 1]
-    if middle and n > 2:
-        tau = min(float(pibar[p]) for p in middle)
+    tau = ref.coverage_threshold(pibar, gamma)
+    if tau is not None:
         resolution = float(pibar[1 : n - 1].max()) / BISECTION_SHRINK
         high |= {p for p in range(1, n - 1) if float(pibar[p]) >= tau - 2 * resolution}
     return pages == sorted(pages) and low <= set(pages) <= high
@@ -610,7 +609,8 @@ ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNC
 
 def split_attend_changes(changes: dict, schedule: str) -> tuple[dict, dict, dict] | None:
     """One ATTEND_SWEEP entry under ``schedule``: (ATTEND_LAUNCH changes, changes of the
-    schedule's own launch dict, MoiraConfig changes), or None where the entry does not
+    schedule's own launch dict ``ATTEND_SCHEDULE_LAUNCH[schedule]``, which for `lists` is
+    ATTEND_LAUNCH itself, MoiraConfig changes), or None where the entry does not
     apply (min_chunk_pages under `pages`, which splits by blocks, not chunks)."""
     if schedule not in ATTEND_SCHEDULE_LAUNCH:
         raise ValueError(f"schedule must be one of {sorted(ATTEND_SCHEDULE_LAUNCH)}")
@@ -618,8 +618,6 @@ def split_attend_changes(changes: dict, schedule: str) -> tuple[dict, dict, dict
         return None
     launch = {k: v for k, v in changes.items() if k in ("num_warps", "num_stages")}
     own = {k: v for k, v in changes.items() if k == "maxnreg"}
-    if schedule == "lists":
-        launch, own = {**launch, **own}, {}
     config = {k: v for k, v in changes.items() if k not in ("num_warps", "num_stages", "maxnreg")}
     return launch, own, config
 

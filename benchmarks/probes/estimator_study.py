@@ -205,14 +205,16 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     base = ref.parse_stored_estimator(e)[0]
                     est, _ = H.estimate_logmass(q, keys, seq_len, scale, base, summ, exact)
                 ests[e] = est
+            upper = None  # the radius bound of this row's pages, for 2u estimators
             for est_name in estimators:
                 two = parse_two_stage(est_name)
                 for gamma in gammas:
                     if two and math.isnan(two[3]):
-                        idx = torch.arange(n).clamp_max(n_full - 1)
-                        upper = research.radius_upper_logmass(
-                            q, summaries[None][idx, :, 0], radius[idx], scale
-                        )
+                        if upper is None:
+                            idx = torch.arange(n).clamp_max(n_full - 1)
+                            upper = research.radius_upper_logmass(
+                                q, summaries[None][idx, :, 0], radius[idx], scale
+                            )
                         est, mask = research.bound_gated_logmass(
                             ests[two[0]], upper, ests[two[1]], gamma, two[2]
                         )

@@ -189,11 +189,9 @@ def refine_band(pibar: torch.Tensor, gamma: float, below: float, above: float) -
     mask = torch.zeros(n, dtype=torch.bool)
     if n <= 2:
         return mask
-    kept = ref.select_pages(pibar, gamma=gamma).long()
-    middle_kept = kept[(kept > 0) & (kept < n - 1)]
-    if middle_kept.numel() == 0:
+    tau = ref.coverage_threshold(pibar, gamma)
+    if tau is None:
         return mask
-    tau = float(pibar[middle_kept].min())
     share = pibar[1 : n - 1].float()
     lo = tau * math.exp(-below)
     hi = math.inf if math.isinf(above) else tau * math.exp(above)
@@ -241,11 +239,10 @@ def bound_gated_logmass(
     total = torch.logsumexp(stage1, dim=-1, keepdim=True)
     upper_share = torch.exp(upper - total).mean(dim=1)  # [H, n]
     for h in range(h_kv):
-        kept = ref.select_pages(pibar[h], gamma=gamma).long()
-        middle_kept = kept[(kept > 0) & (kept < n - 1)]
-        if middle_kept.numel() == 0:
+        tau = ref.coverage_threshold(pibar[h], gamma)
+        if tau is None:
             continue
-        tau = float(pibar[h, middle_kept].min())
+        kept = ref.select_pages(pibar[h], gamma=gamma).long()
         dropped = torch.ones(n, dtype=torch.bool)
         dropped[kept] = False
         dropped[0] = dropped[n - 1] = False

@@ -65,7 +65,8 @@ def test_attend_sweep_entries_split_by_schedule():
     # own launch dict; MoiraConfig fields to a workspace of their own.
     assert mc.split_attend_changes({}, "lists") == ({}, {}, {})
     assert mc.split_attend_changes({"num_warps": 8, "maxnreg": 128}, "lists") == (
-        {"num_warps": 8, "maxnreg": 128}, {}, {})  # fmt: skip
+        {"num_warps": 8}, {"maxnreg": 128}, {})  # fmt: skip
+    assert mc.ATTEND_SCHEDULE_LAUNCH["lists"] == "ATTEND_LAUNCH"
     assert mc.split_attend_changes({"num_stages": 4, "maxnreg": None}, "pages") == (
         {"num_stages": 4}, {"maxnreg": None}, {})  # fmt: skip
     assert mc.split_attend_changes({"attend_fill_blocks": 792}, "pages") == (

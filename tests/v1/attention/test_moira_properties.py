@@ -430,3 +430,14 @@ def test_block_offsets_beyond_int32(layout):
         for row in range(2):
             assert _lists(ws, row, hkv) == [x.tolist() for x in lists[row]]
         torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+def test_coverage_threshold_is_the_smallest_kept_middle_share():
+    pibar = torch.tensor([0.2, 0.05, 0.4, 0.1, 0.15, 0.1], dtype=torch.float32)
+    # Target 0.9 - 0.2 - 0.1 = 0.6 of the middle: pages 2 (0.4) and 4 (0.15) reach 0.55,
+    # page 3 (0.1) reaches 0.65: tau = 0.1.
+    assert ref.select_pages(pibar, gamma=0.9).tolist() == [0, 2, 3, 4, 5]
+    assert ref.coverage_threshold(pibar, gamma=0.9) == pytest.approx(0.1)
+    # Sink and current page alone reach gamma: no middle page, no threshold.
+    assert ref.coverage_threshold(pibar, gamma=0.25) is None
+    assert ref.coverage_threshold(pibar[:2], gamma=0.9) is None

@@ -302,6 +302,14 @@ def select_pages(
     return torch.cat([torch.tensor([0]), kept_middle, torch.tensor([n - 1])]).to(torch.int32)
 
 
+def coverage_threshold(pibar: torch.Tensor, gamma: float) -> float | None:
+    """Eq. 3's threshold: the smallest share among the middle pages that the coverage rule
+    keeps at ``gamma`` (``select_pages``), or None when it keeps no middle page."""
+    n = pibar.numel()
+    middle = [p for p in select_pages(pibar, gamma=gamma).tolist() if 0 < p < n - 1]
+    return min(float(pibar[p]) for p in middle) if middle else None
+
+
 # --------------------------------------------------------------------------
 # Attend over a page list, and the LSE merge
 # --------------------------------------------------------------------------
