@@ -459,7 +459,7 @@ def check_estimator_summaries(case, name, num_pages=64):
     # for the mean, mean k^2 for the variance): float32 sums of 64 keys in two orders
     # differ by up to ~2^-18 of that scale, which swamps a value that cancels to near 0
     # (a channel whose keys are all equal, common in an e4m3 cache, has variance exactly 0
-    # in the reference and ~1e-16 in the kernel). 2^-16 is 1/512 of a bf16 ulp of the scale.
+    # in the reference and ~1e-8 in the kernel). 2^-16 is 1/512 of a bf16 ulp of the scale.
     keys = reference_cache(case)[blocks.long(), :, :, :D].float()
     floor = torch.stack([keys.abs().mean(dim=2), (keys * keys).mean(dim=2)], dim=2) * 2.0**-16
     magnitude = torch.maximum(expected[:, :, :2].abs(), floor).clamp_min(2.0**-126)
