@@ -38,12 +38,14 @@ Three steps:
    against dense per (task, context), pooled per context, and pooled per context and
    haystack; reads per arm and context.
 
-The Qwen2.5-Coder-1.5B run on one H200: 23 device calls, about 28 minutes of device time
-(estimates; the pieces must all reach one machine, so the calls follow each other at once:
-a machine stays warm 30 s after a call and is given back after 30 minutes held). ``R`` is
-``python -m benchmarks.accuracy.run_accuracy_vllm run --model
-/root/moira-model/qwen2.5-coder-1.5b/hf --prompts /root/acc/prompts.json.gz``, ``C`` is
-``.stage/carry/qwen2.5-coder-1.5b``::
+The ``suite`` step runs the three engines (dense, MOIRA default, MOIRA ``mvar``) side by
+side on one GPU, each with a fixed KV cache (``--kv-cache-memory-gib``) and its own compile
+cache, and merges their records into ``accuracy.json``.
+
+The Qwen2.5-Coder-1.5B run on one H200 is a chain of device calls that follow each other
+at once (the pieces must all reach one machine: it stays warm 30 s after a call and goes
+back after 30 minutes held). Work that needs no new transfer runs in the background
+(``setsid``), so the transfers overlap it. ``C`` is ``.stage/carry/qwen2.5-coder-1.5b``::
 
     # here (CPU, network once; done and cached under .cache/ and .stage/):
     python scripts/prepare_model.py --model qwen2.5-coder-1.5b --gguf-only  # 1.1 GB, sha256
@@ -51,28 +53,24 @@ a machine stays warm 30 s after a call and is given back after 30 minutes held).
     python -m benchmarks.accuracy.run_accuracy_vllm export --model qwen2.5-coder-1.5b \\
         --out .stage/accuracy_qwen/prompts.json.gz                # 480 documents, 21 MiB
     python scripts/gpu_carry_model.py split   # 20 pieces of 55 MiB; prints every carry list
-    # call 1, carry [.stage/vllm030, .shared] (~3 min with the machine's start):
+    # call 1, carry [.stage/vllm030, .shared, C/manifest.json, C/wheels]:
     #   bash .shared/gpu/install_vllm_bundle.sh .stage/vllm030 /opt/vllm030 &&
     #   source /opt/vllm030/env.sh && bash build.sh --use-active-env
-    # calls 2-20, carry [C/manifest.json, C/piece_NN] for NN = 01..19 (01 also C/wheels),
-    #   ~20-30 s each: python3 scripts/gpu_carry_model.py receive
-    # call 21, carry [C/manifest.json, C/piece_20, .stage/accuracy_qwen] (~8 min):
+    # calls 2-20, carry [C/manifest.json, C/piece_NN] for NN = 01..19, ~20-30 s each:
+    #   python3 scripts/gpu_carry_model.py receive
+    # call 21, carry [C/manifest.json, C/piece_20, .stage/accuracy_qwen]:
     #   python3 scripts/gpu_carry_model.py receive && python3 scripts/gpu_carry_model.py
     #   assemble && mkdir -p /root/acc && cp .stage/accuracy_qwen/prompts.json.gz /root/acc/ &&
-    #   source /opt/vllm030/env.sh && R --backend FLASH_ATTN --budget-s 330
-    #   --out /root/acc/dense.json; cp /root/acc/dense.json $OUT/
-    # call 22 (~9 min): source /opt/vllm030/env.sh && R --backend MOIRA --budget-s 520
-    #   --out /root/acc/moira.json; cp /root/acc/moira.json $OUT/
-    # call 23 (~8 min): the same with --estimator mvar --gammas 0.99 0.98 --no-control
-    #   --no-fixed --out /root/acc/moira_mvar.json; then (~1 min) the kept fraction per
-    #   (layer, KV head) at 16k: python -m benchmarks.accuracy.kept_fraction --device cuda
-    #   --model-dir /root/moira-model/qwen2.5-coder-1.5b/hf --prompts /root/acc/prompts.json.gz
-    #   --doc-id 'niah_single|16384|0' --out $OUT/kept_16k.json
-    # a record that came back with "complete": false: its call again with --resume
+    #   source /opt/vllm030/env.sh && setsid nohup python -m benchmarks.accuracy.run_accuracy_vllm
+    #   suite --model /root/moira-model/qwen2.5-coder-1.5b/hf --prompts /root/acc/prompts.json.gz
+    #   --out-dir /root/acc/suite >/root/acc/suite.log 2>&1 &
+    # then calls that wait and look (sleep; tail /root/acc/suite/*.log) until it exits, and
+    # one that copies /root/acc/suite/{accuracy,dense,moira,moira_mvar}.json to $OUT
+    # a record that came back with "complete": false: the suite again with --resume
     # here: python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json \\
     #   moira_mvar.json --prompts .stage/accuracy_qwen/prompts.json.gz --out RESULT.json
 
-Per run (estimates for 7.3M prompt tokens): engine start 1-3 min, one prefill of every
+Per engine (estimates for 7.3M prompt tokens): start 1-3 min, one prefill of every
 document ~2-3 min, and per arm after the first the decode steps and each prompt's last
 partial page (prefix cache hits), ~20-40 s.
 """
@@ -396,6 +394,7 @@ def run(args) -> None:
         seed=0,
         enable_prefix_caching=not args.no_prefix_cache,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        **_kv_memory_kwargs(args.kv_cache_memory_gib),
     )
     record["engine_start_s"] = round(time.time() - t0, 1)
     if moira is not None:
@@ -457,6 +456,89 @@ def run(args) -> None:
         record["complete"] = True
         dump_json(args.out, record)
     print(f"wrote {args.out} (complete: {record['complete']})")
+
+
+def _kv_memory_kwargs(gib: float) -> dict:
+    return {"kv_cache_memory_bytes": int(gib * 2**30)} if gib > 0 else {}
+
+
+# --------------------------------------------------------------------------
+# suite: every engine at once on one GPU
+# --------------------------------------------------------------------------
+# The suite's engines (record name -> ``run`` arguments). A 1.5B model leaves most of an
+# H200 idle, and each engine spends minutes starting (compile, graph capture) on the CPU;
+# run side by side they share the GPU for the prefills and overlap their starts, so the
+# three cost little more than the slowest one.
+SUITE_ENGINES: dict[str, list[str]] = {
+    "dense": ["--backend", "FLASH_ATTN"],
+    "moira": ["--backend", "MOIRA"],
+    "moira_mvar": [
+        "--backend", "MOIRA", "--estimator", "mvar", "--gammas", "0.99", "0.98",
+        "--no-control", "--no-fixed",
+    ],
+}  # fmt: skip
+
+
+def suite_commands(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each engine's ``run`` command line and its extra environment. Every engine gets its
+    own compile cache (``VLLM_CACHE_ROOT``): two engines of one model whose configs hash
+    alike (MOIRA with two estimators) would otherwise write one cache entry at once."""
+    out_dir = Path(args.out_dir)
+    # Engines side by side: a share of the GPU each, and the KV cache sized, not profiled.
+    share = round(min(0.9 / len(args.engines), 0.85), 2)
+    commands = {}
+    for name in args.engines:
+        cmd = [
+            sys.executable, "-m", "benchmarks.accuracy.run_accuracy_vllm", "run",
+            *SUITE_ENGINES[name],
+            "--prompts", args.prompts, "--model", args.model,
+            "--kv-cache-dtype", args.kv_cache_dtype,
+            "--gpu-memory-utilization", str(share),
+            "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+            "--chunk-tokens", str(args.chunk_tokens),
+            "--out", str(out_dir / f"{name}.json"),
+        ]  # fmt: skip
+        if args.contexts:
+            cmd += ["--contexts", *map(str, args.contexts)]
+        if args.budget_s:
+            cmd += ["--budget-s", str(args.budget_s)]
+        if args.resume:
+            cmd.append("--resume")
+        env = {"VLLM_CACHE_ROOT": str(out_dir / f"cache_{name}"), "PYTHONUNBUFFERED": "1"}
+        commands[name] = (cmd, env)
+    return commands
+
+
+def suite(args: argparse.Namespace) -> None:
+    import subprocess
+
+    if "dense" not in args.engines:
+        raise SystemExit("suite: --engines must include dense (every arm is compared to it)")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for name, (cmd, env) in suite_commands(args).items():
+        log = open(out_dir / f"{name}.log", "a")
+        procs[name] = (subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log,
+                                        stderr=subprocess.STDOUT), log)  # fmt: skip
+        print(f"suite: started {name} (log {out_dir / f'{name}.log'})", flush=True)
+    t0 = time.time()
+    failed = []
+    while procs:
+        time.sleep(10)
+        for name, (proc, log) in list(procs.items()):
+            if proc.poll() is not None:
+                log.close()
+                del procs[name]
+                print(f"suite: {name} exited {proc.returncode} after {time.time() - t0:.0f} s",
+                      flush=True)  # fmt: skip
+                if proc.returncode:
+                    failed.append(name)
+    if failed:
+        raise SystemExit(f"suite: {failed} failed; see their logs in {out_dir}")
+    records = [str(out_dir / f"{name}.json") for name in args.engines]
+    merge(argparse.Namespace(runs=records, prompts=args.prompts,
+                             out=str(out_dir / "accuracy.json")))  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -670,6 +752,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rn.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     rn.add_argument(
+        "--kv-cache-memory-gib",
+        type=float,
+        default=0.0,
+        help="a fixed KV cache size (vLLM's kv_cache_memory_bytes) instead of profiling the "
+        "free memory: engines that share one GPU (the suite step) must not size their cache "
+        "from memory the others are still taking",
+    )
+    rn.add_argument(
         "--budget-s",
         type=float,
         default=0.0,
@@ -677,6 +767,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rn.add_argument("--resume", action="store_true", help="continue an incomplete --out")
     rn.add_argument("--out", required=True)
+    su = sub.add_parser("suite", help="the dense and MOIRA engines at once on one GPU, then merge")
+    su.add_argument("--prompts", required=True)
+    su.add_argument("--model", required=True, help="the model's local HF directory")
+    su.add_argument(
+        "--engines",
+        nargs="+",
+        default=list(SUITE_ENGINES),
+        choices=sorted(SUITE_ENGINES),
+        help="which engines (default: all three)",
+    )
+    su.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    su.add_argument("--contexts", type=int, nargs="+", help="only these contexts")
+    su.add_argument("--kv-cache-memory-gib", type=float, default=30.0,
+                    help="each engine's KV cache (default 30)")  # fmt: skip
+    su.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=800_000,
+        help="each engine's --chunk-tokens; keep a chunk within the KV cache, or the later "
+        "arms find their prefill evicted (default 800000: 1.5B Qwen's 28 KiB per token "
+        "fill 22 GiB)",
+    )
+    su.add_argument("--budget-s", type=float, default=0.0, help="each engine's --budget-s")
+    su.add_argument("--resume", action="store_true", help="continue incomplete records")
+    su.add_argument("--out-dir", required=True, help="records, logs and compile caches")
     mg = sub.add_parser("merge", help="scores and bootstrap against dense")
     mg.add_argument("runs", nargs="+")
     mg.add_argument("--prompts", required=True)
@@ -686,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    {"export": export, "run": run, "merge": merge}[args.step](args)
+    {"export": export, "run": run, "suite": suite, "merge": merge}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""run_accuracy_vllm's ``suite`` step on the CPU: the engines' command lines (what each
+``run`` gets) and the refusal of a suite without its dense baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.accuracy import run_accuracy_vllm as R
+
+
+def _args(*extra: str):
+    return R.build_parser().parse_args(
+        ["suite", "--prompts", "p.json.gz", "--model", "m", "--out-dir", "/o", *extra]
+    )
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_every_engine_gets_its_own_record_cache_and_fixed_kv_memory():
+    commands = R.suite_commands(_args())
+    assert list(commands) == ["dense", "moira", "moira_mvar"]
+    caches = set()
+    for name, (cmd, env) in commands.items():
+        assert cmd[cmd.index("run") - 1].endswith("run_accuracy_vllm")
+        assert _value(cmd, "--out") == f"/o/{name}.json"
+        assert float(_value(cmd, "--kv-cache-memory-gib")) == 30.0
+        assert int(_value(cmd, "--chunk-tokens")) == 800_000
+        # three engines side by side: 0.3 of the GPU each, all three fit
+        assert float(_value(cmd, "--gpu-memory-utilization")) == 0.3
+        caches.add(env["VLLM_CACHE_ROOT"])
+    assert len(caches) == 3
+    assert _value(commands["dense"][0], "--backend") == "FLASH_ATTN"
+    mvar = commands["moira_mvar"][0]
+    assert _value(mvar, "--estimator") == "mvar" and "--no-fixed" in mvar
+    # each command is one `run` the parser accepts as it stands
+    for cmd, _ in commands.values():
+        args = R.build_parser().parse_args(cmd[cmd.index("run") :])
+        assert args.kv_cache_memory_gib == 30.0 and args.out.startswith("/o/")
+
+
+def test_options_reach_every_engine():
+    commands = R.suite_commands(
+        _args("--engines", "dense", "moira", "--contexts", "4096", "--budget-s", "300",
+              "--resume", "--kv-cache-dtype", "fp8")  # fmt: skip
+    )
+    assert list(commands) == ["dense", "moira"]
+    for cmd, _ in commands.values():
+        assert _value(cmd, "--contexts") == "4096"
+        assert _value(cmd, "--budget-s") == "300.0"
+        assert _value(cmd, "--kv-cache-dtype") == "fp8"
+        assert "--resume" in cmd
+        assert float(_value(cmd, "--gpu-memory-utilization")) == 0.45
+
+
+def test_kv_memory_is_vllms_bytes_or_nothing():
+    assert R._kv_memory_kwargs(0.0) == {}
+    assert R._kv_memory_kwargs(1.5) == {"kv_cache_memory_bytes": 3 * 2**29}
+
+
+def test_a_suite_without_dense_is_refused(tmp_path):
+    args = R.build_parser().parse_args(
+        ["suite", "--prompts", "p", "--model", "m", "--engines", "moira",
+         "--out-dir", str(tmp_path)]  # fmt: skip
+    )
+    with pytest.raises(SystemExit, match="must include dense"):
+        R.suite(args)
