@@ -518,7 +518,7 @@ def suite(args: argparse.Namespace) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     procs = {}
     for name, (cmd, env) in suite_commands(args).items():
-        log = open(out_dir / f"{name}.log", "a")
+        log = open(out_dir / f"{name}.log", "a")  # noqa: SIM115 (closed on exit)
         procs[name] = (subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log,
                                         stderr=subprocess.STDOUT), log)  # fmt: skip
         print(f"suite: started {name} (log {out_dir / f'{name}.log'})", flush=True)

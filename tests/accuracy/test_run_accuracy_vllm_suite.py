@@ -43,8 +43,18 @@ def test_every_engine_gets_its_own_record_cache_and_fixed_kv_memory():
 
 def test_options_reach_every_engine():
     commands = R.suite_commands(
-        _args("--engines", "dense", "moira", "--contexts", "4096", "--budget-s", "300",
-              "--resume", "--kv-cache-dtype", "fp8")  # fmt: skip
+        _args(
+            "--engines",
+            "dense",
+            "moira",
+            "--contexts",
+            "4096",
+            "--budget-s",
+            "300",
+            "--resume",
+            "--kv-cache-dtype",
+            "fp8",
+        )  # fmt: skip
     )
     assert list(commands) == ["dense", "moira"]
     for cmd, _ in commands.values():
@@ -62,8 +72,17 @@ def test_kv_memory_is_vllms_bytes_or_nothing():
 
 def test_a_suite_without_dense_is_refused(tmp_path):
     args = R.build_parser().parse_args(
-        ["suite", "--prompts", "p", "--model", "m", "--engines", "moira",
-         "--out-dir", str(tmp_path)]  # fmt: skip
+        [
+            "suite",
+            "--prompts",
+            "p",
+            "--model",
+            "m",
+            "--engines",
+            "moira",
+            "--out-dir",
+            str(tmp_path),
+        ]  # fmt: skip
     )
     with pytest.raises(SystemExit, match="must include dense"):
         R.suite(args)
