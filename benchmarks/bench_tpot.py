@@ -531,6 +531,35 @@ def kernel_events(prof) -> list[tuple[str, float, float]]:
     return out
 
 
+def load_text_stream(path: str) -> tuple[list[int], list[int]]:
+    """All documents of a run_accuracy_vllm export, longest context first, as one token
+    stream, and where each document starts in it."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        docs = json.load(f)["docs"]
+    docs = sorted(docs, key=lambda d: -d["sample"]["context"])
+    stream: list[int] = []
+    starts = []
+    for d in docs:
+        starts.append(len(stream))
+        stream.extend(d["prompt_token_ids"])
+    return stream, starts
+
+
+def text_window(stream: list[int], starts: list[int], i: int, context: int) -> list[int]:
+    """Request ``i``'s prompt: ``context`` tokens of real text from the start of document
+    ``i`` (cycling), running on into the next documents where one is shorter. Distinct
+    requests start at distinct documents, so no two share a prefix."""
+    if context > len(stream):
+        raise ValueError(
+            f"--prompts holds {len(stream)} tokens, fewer than one {context}-token prompt"
+        )
+    start = min(starts[i % len(starts)], len(stream) - context)
+    return stream[start : start + context]
+
+
 def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, rng) -> None:
     import torch
     from vllm import SamplingParams
@@ -558,7 +587,11 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
     ids = []
     t_submit = time.perf_counter()
     for i in range(batch):
-        prompt = {"prompt_token_ids": rng.integers(100, ctx["vocab"] - 100, size=context).tolist()}
+        if "text_stream" in ctx:
+            ids_i = text_window(ctx["text_stream"], ctx["text_starts"], i, context)
+        else:
+            ids_i = rng.integers(100, ctx["vocab"] - 100, size=context).tolist()
+        prompt = {"prompt_token_ids": ids_i}
         inp = preprocess(prompt, None, mm_processor_kwargs=None) if preprocess else prompt
         rid = f"{context}x{batch}-{i}-{time.time_ns()}"
         eng.add_request(rid, inp, sp.clone() if hasattr(sp, "clone") else sp)
@@ -695,6 +728,13 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem-util", type=float, default=0.92)
+    ap.add_argument(
+        "--prompts",
+        default=None,
+        help="real text instead of random ids: a run_accuracy_vllm export (.json[.gz]); "
+        "each request is a window of its documents' token ids, and the model's own weights "
+        "are loaded (no dummy weights)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="skip shapes that would start after this many s from the script's "
@@ -781,7 +821,8 @@ def main() -> int:
         attn["flash_attn_version"] = 3
     sizes = sorted({1, 2} | {b for _, b in shapes})
     kw = dict(
-        model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        model=a.model, load_format="auto" if a.prompts else "dummy", skip_tokenizer_init=True,
+        dtype="bfloat16",
         block_size=64, max_model_len=max_len, max_num_seqs=max(b for _, b in shapes),
         max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
         tensor_parallel_size=a.tensor_parallel_size, kv_cache_dtype=a.kv_cache_dtype,
@@ -853,6 +894,11 @@ def main() -> int:
               flush=True)  # fmt: skip
         write()
     rng = np.random.default_rng(a.seed)
+    if a.prompts:
+        ctx["text_stream"], ctx["text_starts"] = load_text_stream(a.prompts)
+        record["prompts"] = {"file": os.path.basename(a.prompts),
+                             "tokens": len(ctx["text_stream"]),
+                             "documents": len(ctx["text_starts"])}  # fmt: skip
     for context, batch in shapes:
         arms = plans[(context, batch)]
         if a.backend == "MOIRA" and not selector.can_switch:
