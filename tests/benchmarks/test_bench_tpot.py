@@ -200,3 +200,29 @@ def test_merge_compares_greedy_outputs(tmp_path):
     assert cmp["prompts"][1]["first_divergence"] == 1
     assert cmp["prompts"][1]["dense_margin_there"] == 0.01
     assert bt.compare_greedy(greedy([[7]]), greedy([[7]]))["all_equal"]
+
+
+def test_text_prompts_are_real_windows_from_distinct_documents(tmp_path):
+    import gzip
+
+    docs = [
+        {"sample": {"context": 4096}, "prompt_token_ids": list(range(100, 130))},
+        {"sample": {"context": 8192}, "prompt_token_ids": list(range(1000, 1050))},
+        {"sample": {"context": 4096}, "prompt_token_ids": list(range(200, 220))},
+    ]
+    path = tmp_path / "prompts.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"docs": docs}, f)
+    stream, starts = bt.load_text_stream(str(path))
+    # longest context first, documents back to back
+    assert stream[:50] == list(range(1000, 1050)) and starts == [0, 50, 80]
+    assert len(stream) == 100
+    w0, w1 = bt.text_window(stream, starts, 0, 40), bt.text_window(stream, starts, 1, 40)
+    assert w0 == list(range(1000, 1040))
+    # a short document runs on into the next one
+    assert w1 == list(range(100, 130)) + list(range(200, 210))
+    # near the end the window slides back so it stays whole; requests cycle over documents
+    assert bt.text_window(stream, starts, 2, 40) == stream[60:100]
+    assert bt.text_window(stream, starts, 3, 40) == w0
+    with pytest.raises(ValueError, match="fewer than one 101-token prompt"):
+        bt.text_window(stream, starts, 0, 101)
