@@ -64,15 +64,16 @@ back after 30 minutes held). Work that needs no new transfer runs in the backgro
     #   source /opt/vllm030/env.sh && setsid nohup python -m benchmarks.accuracy.run_accuracy_vllm
     #   suite --model /root/moira-model/qwen2.5-coder-1.5b/hf --prompts /root/acc/prompts.json.gz
     #   --out-dir /root/acc/suite >/root/acc/suite.log 2>&1 &
-    # then calls that wait and look (sleep; tail /root/acc/suite/*.log) until it exits, and
-    # one that copies /root/acc/suite/{accuracy,dense,moira,moira_mvar}.json to $OUT
+    # then calls that wait and look (sleep 90; tail /root/acc/suite/*.log) until it exits,
+    # each copying /root/acc/suite/*.json to $OUT: a machine can go back between calls, and
+    # what is not under $OUT then is lost
     # a record that came back with "complete": false: the suite again with --resume
     # here: python -m benchmarks.accuracy.run_accuracy_vllm merge dense.json moira.json \\
     #   moira_mvar.json --prompts .stage/accuracy_qwen/prompts.json.gz --out RESULT.json
 
-Per engine (estimates for 7.3M prompt tokens): start 1-3 min, one prefill of every
-document ~2-3 min, and per arm after the first the decode steps and each prompt's last
-partial page (prefix cache hits), ~20-40 s.
+Measured on one H200 (7.3M prompt tokens): call 1 about 10 s after the machine's start,
+each piece's call about 6 s, ``assemble`` 75-90 s, and the suite 330 s (every engine's start
+about 120 s of it, side by side): about 11 minutes of device time in all.
 """
 
 from __future__ import annotations
