@@ -17,6 +17,18 @@ Arms:
   paper's gamma=0.98 read fraction near set A's mean context; dummy weights
   have flat attention, where the coverage rule keeps every page).
 
+Real text (``--dataset``): a JSONL of chat-formatted prompts that ``--make-dataset``
+cuts from a ``run_accuracy_vllm`` export (haystack documents, lengths uniform in
+``--min-tokens``..``--max-tokens``, each ending in its document's question), served with the
+model's own weights and tokenizer through ``vllm bench serve --dataset-name custom``. For
+a ``moira`` arm the read fraction comes from the server's ``/metrics`` gauge
+(``vllm:moira_page_read_fraction``), sampled every 2 s while the run lasts.
+
+    python benchmarks/bench_serving.py --make-dataset serve_text.jsonl \
+        --from-prompts prompts.json.gz --tokenizer MODEL_DIR
+    python benchmarks/bench_serving.py --model MODEL_DIR --dataset serve_text.jsonl \
+        --concurrency 1,16,32 --moira-env MOIRA_GAMMA=0.98 --out serving_text.json
+
 Bounded: ``--budget-s`` covers the whole invocation; a server is always
 killed; the JSON is rewritten after every run.
 
@@ -44,6 +56,107 @@ from benchmarks.serving_common import stop_server, vllm_exe, wait_for_health  # 
 # (mean input length, input range ratio): uniform in mean * (1 -+ ratio).
 SETS = {"A": (34816, 0.8823), "B": (97280, 0.3263)}
 DEFAULT_MOIRA_ENV = "MOIRA_SELECTOR=fixed,MOIRA_FIXED_FRACTION=0.3"
+TOKENIZER_DEFAULT = "shared/gpu/models/tokenizer-smollm2"
+READ_GAUGE = "vllm:moira_page_read_fraction"
+QUESTION_TOKENS = 256  # a cut document keeps its last tokens: the question and the answer cue
+
+
+def make_dataset(prompts_path: str, tokenizer_dir: str, count: int, min_tokens: int,
+                 max_tokens: int, seed: int) -> list[dict]:  # fmt: skip
+    """Real-text serving prompts from a ``run_accuracy_vllm`` export: ``count`` prompts of
+    lengths uniform in [min_tokens, max_tokens], each cut from a document at least that long
+    (its chat header and haystack up to the length, then its last ``QUESTION_TOKENS`` tokens:
+    the question and the assistant cue), decoded to text. ``prompt_tokens`` is the length
+    re-tokenized as the server will see it."""
+    import gzip
+    import random
+
+    from transformers import AutoTokenizer
+
+    opener = gzip.open if prompts_path.endswith(".gz") else open
+    with opener(prompts_path, "rt") as f:
+        docs = [d["prompt_token_ids"] for d in json.load(f)["docs"]]
+    if min_tokens <= QUESTION_TOKENS or max_tokens < min_tokens:
+        raise SystemExit(f"--min-tokens must exceed {QUESTION_TOKENS} and --max-tokens "
+                         f"must be at least --min-tokens")  # fmt: skip
+    long_enough = max(len(d) for d in docs)
+    if long_enough < max_tokens:
+        raise SystemExit(f"--from-prompts: the longest document has {long_enough} tokens, "
+                         f"fewer than --max-tokens {max_tokens}")  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        n = rng.randint(min_tokens, max_tokens)
+        ids = rng.choice([d for d in docs if len(d) >= n])
+        cut = ids[: n - QUESTION_TOKENS] + ids[-QUESTION_TOKENS:]
+        text = tok.decode(cut)
+        rows.append({"prompt": text, "prompt_tokens": len(tok(text).input_ids)})
+    return rows
+
+
+def dataset_lengths(path: str) -> list[int]:
+    with open(path) as f:
+        return [json.loads(line)["prompt_tokens"] for line in f if line.strip()]
+
+
+def longest_prompt(args) -> int:
+    if args.dataset:
+        return max(dataset_lengths(args.dataset))
+    mean_len, ratio = SETS[args.set]
+    return int(mean_len * (1 + ratio))
+
+
+def parse_read_gauge(text: str) -> float | None:
+    """The Moira read-fraction gauge's value in a Prometheus text page (None if absent)."""
+    for line in text.splitlines():
+        if line.startswith(READ_GAUGE):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+class ReadFractionSampler:
+    """Samples the server's read-fraction gauge every ``period`` s while a run lasts (a
+    thread; nothing for a dense arm). The gauge covers the last few decode steps and keeps
+    its value while idle, so the mean of the samples is the run's read fraction."""
+
+    def __init__(self, base: str, arm: str, period: float = 2.0) -> None:
+        import threading
+
+        self.url, self.period = base + "/metrics", period
+        self.samples: list[float] = []
+        self.active = arm == "moira"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.period):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as page:
+                    value = parse_read_gauge(page.read().decode())
+            except OSError:
+                continue
+            if value is not None:
+                self.samples.append(value)
+
+    def __enter__(self) -> ReadFractionSampler:
+        if self.active:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+        samples = self.samples
+        return {"mean": statistics.fmean(samples), "median": statistics.median(samples),
+                "samples": len(samples)}  # fmt: skip
 
 
 def log(*parts) -> None:
@@ -57,13 +170,22 @@ def parse_env(text: str) -> dict[str, str]:
     return dict(pairs)  # type: ignore[arg-type]
 
 
-def bench_command(args, base: str, concurrency: int, result_dir: str, name: str) -> list[str]:
+def dataset_args(args) -> list[str]:
+    """``vllm bench serve``'s prompt source: random ids of the set's lengths, or the
+    ``--dataset`` texts (already chat-formatted, so no template is applied again)."""
+    if getattr(args, "dataset", None):
+        return ["--dataset-name", "custom", "--dataset-path", args.dataset,
+                "--custom-output-len", str(args.output_len), "--skip-chat-template"]  # fmt: skip
     mean_len, ratio = SETS[args.set]
+    return ["--dataset-name", "random",
+            "--random-input-len", str(mean_len), "--random-output-len", str(args.output_len),
+            "--random-range-ratio", json.dumps({"input": ratio, "output": 0.0})]  # fmt: skip
+
+
+def bench_command(args, base: str, concurrency: int, result_dir: str, name: str) -> list[str]:
     return vllm_exe() + [
         "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", args.model,
-        "--tokenizer", args.tokenizer, "--dataset-name", "random",
-        "--random-input-len", str(mean_len), "--random-output-len", str(args.output_len),
-        "--random-range-ratio", json.dumps({"input": ratio, "output": 0.0}),
+        "--tokenizer", args.tokenizer, *dataset_args(args),
         "--num-prompts", str(max(args.min_prompts, args.waves * concurrency)),
         "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
         "--save-result", "--result-dir", result_dir, "--result-filename", name,
@@ -78,10 +200,10 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
     if arm == "dense":
         extra_env = {}
     env.update(extra_env)
-    mean_len, ratio = SETS[args.set]
-    max_len = int(mean_len * (1 + ratio)) + args.output_len + 64
+    max_len = longest_prompt(args) + args.output_len + 64
+    weights = [] if args.dataset else ["--load-format", "dummy"]  # real text: real weights
     serve = vllm_exe() + [
-        "serve", args.model, "--load-format", "dummy", "--tokenizer", args.tokenizer,
+        "serve", args.model, *weights, "--tokenizer", args.tokenizer,
         "--block-size", "64", "--max-model-len", str(max_len), "--no-enable-prefix-caching",
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--max-num-seqs", str(max(int(c) for c in args.concurrency.split(","))),
@@ -108,7 +230,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
                     bench = bench_command(args, base, concurrency, result_dir, name)
                     bench_log = Path(args.log_dir) / f"serving_{arm}_c{concurrency}.log"
                     timeout = max(10.0, deadline - time.time())
-                    with open(bench_log, "w") as out:
+                    with open(bench_log, "w") as out, ReadFractionSampler(base, arm) as reads:
                         run = subprocess.run(bench, env=env, stdout=out,
                                              stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
                     rc = run.returncode
@@ -128,6 +250,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
                     "p90_tpot_ms": result.get("p90_tpot_ms"),
                     "median_ttft_ms": result.get("median_ttft_ms"),
                     "duration_s": result.get("duration"),
+                    "moira_read_fraction": reads.summary(),
                     "server_command": command,
                     "bench_command": " ".join(bench),
                 }
@@ -160,7 +283,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--moira-env", default=DEFAULT_MOIRA_ENV)
     p.add_argument("--model", default="shared/gpu/models/Llama-3.1-8B")
-    p.add_argument("--tokenizer", default="shared/gpu/models/tokenizer-smollm2")
+    p.add_argument("--tokenizer", default=TOKENIZER_DEFAULT)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--port", type=int, default=8041)
     p.add_argument("--seed", type=int, default=0)
@@ -170,13 +293,38 @@ def main() -> None:
     p.add_argument("--log-dir", default=tempfile.gettempdir())
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
     p.add_argument("--merge", nargs="+", help="join result JSONs into --out (no GPU)")
+    p.add_argument("--dataset", help="real text: a JSONL from --make-dataset (the model's own "
+                   "weights and tokenizer; --set is then unused)")  # fmt: skip
+    p.add_argument("--make-dataset", metavar="OUT", help="write a --dataset JSONL and exit (CPU)")
+    p.add_argument("--from-prompts", help="--make-dataset: a run_accuracy_vllm export")
+    p.add_argument("--count", type=int, default=256, help="--make-dataset: prompts")
+    p.add_argument("--min-tokens", type=int, default=4096, help="--make-dataset: shortest")
+    p.add_argument("--max-tokens", type=int, default=30720, help="--make-dataset: longest")
     args = p.parse_args()
     if args.merge:
         merge(args.merge, args.out)
         return
+    if args.make_dataset:
+        if not args.from_prompts:
+            raise SystemExit("--make-dataset needs --from-prompts (a run_accuracy_vllm export)")
+        rows = make_dataset(args.from_prompts, args.tokenizer, args.count, args.min_tokens,
+                            args.max_tokens, args.seed)  # fmt: skip
+        with open(args.make_dataset, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        lens = [r["prompt_tokens"] for r in rows]
+        log(f"wrote {args.make_dataset}: {len(rows)} prompts, {min(lens)}-{max(lens)} tokens")
+        return
+    if args.dataset and args.tokenizer == TOKENIZER_DEFAULT:
+        args.tokenizer = args.model  # the served model's own tokenizer
     parse_env(args.moira_env)
     deadline = time.time() + args.budget_s
-    record = {"command": "python " + " ".join(sys.argv), "set": args.set, "rows": []}
+    record = {"command": "python " + " ".join(sys.argv),
+              "set": None if args.dataset else args.set, "rows": []}  # fmt: skip
+    if args.dataset:
+        lens = dataset_lengths(args.dataset)
+        record["dataset"] = {"file": Path(args.dataset).name, "prompts": len(lens),
+                             "tokens_min_max": [min(lens), max(lens)]}  # fmt: skip
     try:
         import torch
 

@@ -87,3 +87,66 @@ def test_decode_tail_speedups_need_both_arms():
             dict(_row("moira", 16, 2.0), decode_tail_median_itl_ms=12.0),
             dict(_row("dense", 1, 1.0), decode_tail_median_itl_ms=8.0)]  # fmt: skip
     assert bs.decode_tail_speedups(rows) == {"c16": pytest.approx(2.0)}
+
+
+def test_real_text_dataset_switches_the_bench_to_the_custom_source():
+    args = types.SimpleNamespace(set="A", model="M", tokenizer="M", output_len=1024, waves=2,
+                                 min_prompts=4, seed=0, detailed=False,
+                                 dataset="/d/serve_text.jsonl")  # fmt: skip
+    cmd = bs.bench_command(args, "http://127.0.0.1:1", 16, "/tmp/r", "x.json")
+    value = {flag: cmd[i + 1] for i, flag in enumerate(cmd[:-1]) if flag.startswith("--")}
+    assert value["--dataset-name"] == "custom" and value["--dataset-path"] == args.dataset
+    assert value["--custom-output-len"] == "1024" and "--skip-chat-template" in cmd
+    assert "--random-input-len" not in cmd and "--ignore-eos" in cmd
+
+
+def _word_tokenizer(path, words):
+    """A word-level tokenizer directory that AutoTokenizer loads (no network, no model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(path)
+    return str(path)
+
+
+def test_make_dataset_cuts_documents_and_keeps_their_questions(tmp_path):
+    import gzip
+
+    words = [f"w{i}" for i in range(3000)] + ["what", "is", "the", "magic", "number", "answer"]
+    tokenizer = _word_tokenizer(tmp_path / "tok", words)
+    question = list(range(3001, 3007))  # "what is the magic number answer"
+    docs = [{"prompt_token_ids": list(range(1, 2001)) + question},
+            {"prompt_token_ids": list(range(1, 3001)) + question}]  # fmt: skip
+    path = tmp_path / "p.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"docs": docs}, f)
+    rows = bs.make_dataset(str(path), tokenizer, 12, 600, 2900, seed=1)
+    assert len(rows) == 12
+    for row in rows:
+        assert row["prompt"].endswith("magic number answer")  # the question survives the cut
+        assert 600 <= row["prompt_tokens"] <= 2900
+        assert row["prompt"].startswith("w0 w1 w2")  # the document's own beginning
+    assert len({r["prompt_tokens"] for r in rows}) > 6  # lengths spread over the range
+    # a prompt longer than 2006 tokens can only come from the longer document
+    assert all("w2999" in r["prompt"] for r in rows if r["prompt_tokens"] > 2006)
+    with pytest.raises(SystemExit, match="fewer than --max-tokens"):
+        bs.make_dataset(str(path), tokenizer, 1, 600, 4000, seed=1)
+
+
+def test_read_gauge_parser_and_sampler_summary():
+    page = (
+        "# HELP vllm:moira_page_read_fraction ...\n"
+        'vllm:moira_page_read_fraction{engine="0",model_name="m"} 0.3125\n'
+        "vllm:num_requests_running 3.0\n"
+    )
+    assert bs.parse_read_gauge(page) == 0.3125
+    assert bs.parse_read_gauge("vllm:num_requests_running 3.0\n") is None
+    sampler = bs.ReadFractionSampler("http://127.0.0.1:1", "dense")
+    with sampler:  # a dense arm samples nothing
+        pass
+    assert sampler.summary() is None
+    sampler.samples = [0.2, 0.4, 0.3]
+    assert sampler.summary() == {"mean": 0.3, "median": 0.3, "samples": 3}
