@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Page-mass estimators on real SmolLM2-135M queries/keys (CPU, float32 reference).
+"""Page-mass estimators on a real model's queries/keys (CPU, float32 reference).
 
-    python -m benchmarks.probes.estimator_study [--contexts 4096] [--haystacks essays austen
-        mobydick] [--tasks niah_single niah_multikey niah_multiquery] [--last-k 16]
+    python -m benchmarks.probes.estimator_study [--model smollm2-135m|qwen2.5-coder-1.5b]
+        [--contexts 4096] [--haystacks essays austen mobydick]
+        [--tasks niah_single niah_multikey niah_multiquery] [--last-k 16]
+
+``--model``: a key of ``scripts/prepare_model.py`` (SmolLM2-135M by default; Qwen2.5-Coder-1.5B:
+12 query / 2 KV heads, head dim 128), prepared there if missing and run in float32.
 
 For needle prompts (``data.ruler_samples``: one needle, four confusable needles with one
 asked for, or four asked for at once; in any haystack), the post-RoPE q/k/v of every
 layer at the last ``K`` prompt positions (teacher-forced decode steps) are captured once
-(cached under ``benchmarks/scratch/``, git-ignored) and every estimator x gamma is
+(cached per model under ``benchmarks/scratch/``, git-ignored) and every estimator x gamma is
 evaluated on the same rows, one page list per (row, layer, KV head):
 
 - reads: mean kept fraction of pages (sink and current page included), and x oracle;
@@ -34,6 +38,7 @@ import torch
 
 from benchmarks.accuracy import data as D
 from benchmarks.accuracy import harness as H
+from benchmarks.accuracy.run_accuracy_vllm import _prepare_module
 from benchmarks.probes import research_estimators as research
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
@@ -71,11 +76,19 @@ def needle_pages(spans: list[tuple[int, int]], page: int) -> list[int]:
     return sorted({p for a, b in spans for p in range(a // page, b // page + 1)})
 
 
-def capture(tok, model, context: int, seed: int, last_k: int, task: str = "niah_single",
-            haystack: str = "essays") -> dict:  # fmt: skip
+def cache_path(model_key: str, task: str, haystack: str, context: int, seed: int,
+               last_k: int) -> Path:  # fmt: skip
+    """Capture file of one prompt; the model key is in the name because the prompts (and so
+    every other part of the name) are the same for every model."""
+    return CACHE / f"{model_key}_{task}_{haystack}_{context}_s{seed}_k{last_k}.pt"
+
+
+def capture(tok, model, model_key: str, context: int, seed: int, last_k: int,
+            task: str = "niah_single", haystack: str = "essays") -> dict:  # fmt: skip
     """q/k/v of every layer at the last ``last_k`` prompt positions of one needle prompt
-    (``data.ruler_samples``: task, haystack, seed), cached under ``CACHE``."""
-    path = CACHE / f"{task}_{haystack}_{context}_s{seed}_k{last_k}.pt"
+    (``data.ruler_samples``: task, haystack, seed) through ``model`` (prepare_model.py's
+    ``model_key``), cached under ``CACHE``."""
+    path = cache_path(model_key, task, haystack, context, seed, last_k)
     if path.is_file():
         return torch.load(path)
     if task == "needle_mid":
@@ -103,8 +116,8 @@ def capture(tok, model, context: int, seed: int, last_k: int, task: str = "niah_
     }
     CACHE.mkdir(parents=True, exist_ok=True)
     torch.save(blob, path)
-    print(f"[capture] {task}/{haystack} ctx={context} seed={seed}: {ids.shape[1]} tokens, "
-          f"{len(spans)} needles, {secs:.1f}s", flush=True)  # fmt: skip
+    print(f"[capture] {model_key} {task}/{haystack} ctx={context} seed={seed}: "
+          f"{ids.shape[1]} tokens, {len(spans)} needles, {secs:.1f}s", flush=True)  # fmt: skip
     return blob
 
 
@@ -346,8 +359,18 @@ def cv(xs: torch.Tensor) -> float:
     return float(xs.std() / xs.mean()) if xs.numel() > 1 and xs.mean() > 0 else math.nan
 
 
+def model_label(spec) -> str:
+    """The record's "model": the weights as prepare_model.py makes them (a GGUF dequantized
+    to bf16) and as they run here, e.g. "SmolLM2-135M-Instruct (GGUF Q4_1 -> bf16 -> fp32,
+    CPU)"; the quantization is the GGUF file name's suffix, when it has one."""
+    quant = spec.gguf_name.removesuffix(".gguf").removeprefix(spec.name).lstrip(".")
+    return f"{spec.name} ({' '.join(filter(None, ('GGUF', quant)))} -> bf16 -> fp32, CPU)"
+
+
 def main() -> None:
+    prepare = _prepare_module()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=prepare.DEFAULT_MODEL, choices=sorted(prepare.MODELS))
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
     ap.add_argument("--haystacks", nargs="+", default=["essays"], choices=sorted(D.HAYSTACKS))
     ap.add_argument("--tasks", nargs="+", default=["needle_mid"], choices=TASKS)
@@ -363,8 +386,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     t_start = time.time()
-    tok, model = H.load_model(threads=args.threads or None)
-    scale = model.config.head_dim**-0.5
+    tok, model = H.load_model(prepare.prepare(model=args.model), threads=args.threads or None)
+    cfg = model.config  # Qwen2's config has no head_dim (it is hidden_size / query heads)
+    scale = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) ** -0.5
     results, captures = [], []
     heat_all: dict | None = {} if args.heatmaps else None
     runs = [(c, hay, task, seed) for c in args.contexts for hay in args.haystacks
@@ -372,7 +396,7 @@ def main() -> None:
     stats_by_ctx: dict = {}
     for j, (ctx, hay, task, seed) in enumerate(runs):
         label = f"{task}/{hay}/{ctx}/s{seed}"
-        blob = capture(tok, model, ctx, seed, args.last_k, task, hay)
+        blob = capture(tok, model, args.model, ctx, seed, args.last_k, task, hay)
         captures.append(
             {
                 "prompt": label,
@@ -399,7 +423,7 @@ def main() -> None:
             if k not in ("out", "heatmaps")
         )
         + (" --heatmaps" if args.heatmaps else ""),
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> bf16 -> fp32, CPU)",
+        "model": model_label(prepare.MODELS[args.model]),
         "needle_share_threshold": NEEDLE_SHARE,
         "captures": captures,
         "rows": results,

@@ -70,3 +70,51 @@ def test_summarize_reports_ratios_to_the_oracle_and_needle_drops():
     assert rows["oracle"]["needle_dropped"] == 0
     assert "stage2_fraction_mean" not in rows["mvar"]
     assert "| mvar | 0.98 | 0.500 (1.25) |" in study.table(list(rows.values()))
+
+
+def test_captures_are_cached_per_model_and_the_record_names_the_model():
+    prepare = study._prepare_module()
+    args = ("niah_single", "essays", 4096, 0, 16)
+    smol, qwen = (study.cache_path(m, *args) for m in ("smollm2-135m", "qwen2.5-coder-1.5b"))
+    assert smol != qwen and smol.parent == qwen.parent == study.CACHE
+    assert qwen.name == "qwen2.5-coder-1.5b_niah_single_essays_4096_s0_k16.pt"
+    labels = {key: study.model_label(spec) for key, spec in prepare.MODELS.items()}
+    # SmolLM2's is the string its earlier records carry
+    assert labels["smollm2-135m"] == "SmolLM2-135M-Instruct (GGUF Q4_1 -> bf16 -> fp32, CPU)"
+    assert labels["qwen2.5-coder-1.5b"] == (
+        "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M -> bf16 -> fp32, CPU)"
+    )
+    assert labels["qwen2.5-coder-0.5b"] == "Qwen2.5-Coder-0.5B-Instruct (GGUF -> bf16 -> fp32, CPU)"
+
+
+def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
+    """G = 6 query heads per KV head, head dim 128 (Qwen2.5-Coder-1.5B), on random rows
+    whose queries all point at a needle page."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    h_kv, group, d, seq, k_rows = 2, 6, 128, 300, 2
+    keys = torch.randn(h_kv, seq, d, generator=gen)
+    q = torch.randn(h_kv, 1, k_rows, d, generator=gen) + 0.3 * torch.randn(
+        h_kv, group, k_rows, d, generator=gen
+    )
+    keys[:, 140:150] = 3.0 * q.mean(dim=(1, 2)).unsqueeze(1)  # the needle, on page 2
+    blob = {
+        "layers": {
+            0: {
+                "q": q.reshape(h_kv * group, k_rows, d).half(),
+                "k": keys.half(),
+                "v": torch.randn(h_kv, seq, d, generator=gen).half(),
+            }
+        },
+        "needle_spans": [(140, 149)],
+        "seq_len": seq,
+    }
+    stats = {}
+    estimators = ["oracle", "int8:mvar_top8", "mvar", "rem_capr", "2u/int8:mvar_top4/oracle/0"]
+    study.analyse(blob, d**-0.5, estimators, [0.98], stats, "synthetic")
+    rows = {r["estimator"]: r for r in study.summarize(stats)}
+    assert set(rows) == set(estimators)
+    for r in rows.values():
+        assert r["lists"] == k_rows * h_kv
+        assert r["needle_lists"] == k_rows * h_kv and r["needle_dropped"] == 0
+    assert rows["oracle"]["captured_min"] >= 0.98
