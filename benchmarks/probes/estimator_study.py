@@ -451,7 +451,9 @@ def heat_maps(config, heat_all: dict, args) -> dict:
                 vals = torch.tensor(heat_all.get((est, 0.98, layer, h), [math.nan]))
                 grid[layer, h] = vals.mean()
                 per_step.append(cv(vals))
-        write_png(REPO / f"docs/img/kept_fraction_{est}_g098.png", grid)
+        # SmolLM2's maps keep their published names; another model's get its key.
+        tag = "" if args.model == "smollm2-135m" else f"_{args.model}"
+        write_png(REPO / f"docs/img/kept_fraction{tag}_{est}_g098.png", grid)
         variation[est] = {
             "kept_per_layer_head": [[round(float(x), 4) for x in r] for r in grid],
             "cv_across_layers": cv(grid.mean(1)),

@@ -118,3 +118,21 @@ def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
         assert r["lists"] == k_rows * h_kv
         assert r["needle_lists"] == k_rows * h_kv and r["needle_dropped"] == 0
     assert rows["oracle"]["captured_min"] >= 0.98
+
+
+def test_heat_maps_of_another_model_do_not_overwrite_smollm2s(tmp_path, monkeypatch):
+    import types
+
+    (tmp_path / "docs/img").mkdir(parents=True)
+    monkeypatch.setattr(study, "REPO", tmp_path)
+    config = types.SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2)
+    heat = {("oracle", 0.98, layer, h): [0.5, 0.25] for layer in range(2) for h in range(2)}
+    for model in ("smollm2-135m", "qwen2.5-coder-1.5b"):
+        args = types.SimpleNamespace(estimators=["oracle"], model=model)
+        variation = study.heat_maps(config, heat, args)
+        assert variation["oracle"]["kept_per_layer_head"] == [[0.375, 0.375], [0.375, 0.375]]
+    names = sorted(p.name for p in (tmp_path / "docs/img").iterdir())
+    assert names == [
+        "kept_fraction_oracle_g098.png",
+        "kept_fraction_qwen2.5-coder-1.5b_oracle_g098.png",
+    ]
