@@ -68,14 +68,13 @@ def make_dataset(prompts_path: str, tokenizer_dir: str, count: int, min_tokens: 
     (its chat header and haystack up to the length, then its last ``QUESTION_TOKENS`` tokens:
     the question and the assistant cue), decoded to text. ``prompt_tokens`` is the length
     re-tokenized as the server will see it."""
-    import gzip
     import random
 
     from transformers import AutoTokenizer
 
-    opener = gzip.open if prompts_path.endswith(".gz") else open
-    with opener(prompts_path, "rt") as f:
-        docs = [d["prompt_token_ids"] for d in json.load(f)["docs"]]
+    from benchmarks.accuracy.run_accuracy_vllm import load_json
+
+    docs = [d["prompt_token_ids"] for d in load_json(prompts_path)["docs"]]
     if min_tokens <= QUESTION_TOKENS or max_tokens < min_tokens:
         raise SystemExit(f"--min-tokens must exceed {QUESTION_TOKENS} and --max-tokens "
                          f"must be at least --min-tokens")  # fmt: skip

@@ -534,12 +534,9 @@ def kernel_events(prof) -> list[tuple[str, float, float]]:
 def load_text_stream(path: str) -> tuple[list[int], list[int]]:
     """All documents of a run_accuracy_vllm export, longest context first, as one token
     stream, and where each document starts in it."""
-    import gzip
+    from benchmarks.accuracy.run_accuracy_vllm import load_json
 
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        docs = json.load(f)["docs"]
-    docs = sorted(docs, key=lambda d: -d["sample"]["context"])
+    docs = sorted(load_json(path)["docs"], key=lambda d: -d["sample"]["context"])
     stream: list[int] = []
     starts = []
     for d in docs:
@@ -550,8 +547,10 @@ def load_text_stream(path: str) -> tuple[list[int], list[int]]:
 
 def text_window(stream: list[int], starts: list[int], i: int, context: int) -> list[int]:
     """Request ``i``'s prompt: ``context`` tokens of real text from the start of document
-    ``i`` (cycling), running on into the next documents where one is shorter. Distinct
-    requests start at distinct documents, so no two share a prefix."""
+    ``i`` (cycling), running on into the next documents where one is shorter; near the end
+    of the stream the window slides back so that it stays whole. Requests of one batch
+    start at distinct documents (no shared prefix) while the batch is smaller than the
+    number of documents whose start leaves ``context`` tokens of stream."""
     if context > len(stream):
         raise ValueError(
             f"--prompts holds {len(stream)} tokens, fewer than one {context}-token prompt"
