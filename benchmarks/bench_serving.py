@@ -308,6 +308,7 @@ def main() -> None:
             raise SystemExit("--make-dataset needs --from-prompts (a run_accuracy_vllm export)")
         rows = make_dataset(args.from_prompts, args.tokenizer, args.count, args.min_tokens,
                             args.max_tokens, args.seed)  # fmt: skip
+        Path(args.make_dataset).parent.mkdir(parents=True, exist_ok=True)
         with open(args.make_dataset, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
