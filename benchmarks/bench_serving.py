@@ -211,6 +211,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
     if arm == "dense":
         serve += ["--attention-backend", "FLASH_ATTN"]
     command = " ".join(f"{k}={v}" for k, v in extra_env.items()) + " " + " ".join(serve)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.log_dir) / f"serving_{arm}_server.log"
     base = f"http://127.0.0.1:{args.port}"
     start = time.time()
@@ -239,7 +240,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
                     result = json.loads(result_path.read_text())
                 row = {
                     "model": Path(args.model).name,
-                    "set": args.set,
+                    "set": None if args.dataset else args.set,
                     "arm": arm,
                     "concurrency": concurrency,
                     "num_prompts": result.get("num_prompts", result.get("completed")),
@@ -288,7 +289,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--detailed", action="store_true",
                    help="also record each request's input length and TTFT")  # fmt: skip
-    p.add_argument("--budget-s", type=float, default=570.0, help="whole invocation")
+    p.add_argument("--budget-s", type=float, default=570.0,
+                   help="whole invocation, every arm's server start included (with real "
+                   "weights about 150 s each on one H200); an arm whose server is not up "
+                   "before the budget ends is reported as failed")  # fmt: skip
     p.add_argument("--log-dir", default=tempfile.gettempdir())
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
     p.add_argument("--merge", nargs="+", help="join result JSONs into --out (no GPU)")
