@@ -30,6 +30,19 @@ Steps (NAME[:ARG]):
                        run beforehand on a machine with the sdist (GAMMA default 1)
   accuracy             benchmarks/accuracy/run_accuracy_vllm.py run (FLASH_ATTN, MOIRA),
                        then merge; needs --acc-prompts and --acc-model
+  accuracy-suite[:ENGINES]
+                       run_accuracy_vllm.py suite: the engines side by side on the GPU,
+                       then merge, into OUT/accuracy_suite (ENGINES: comma-separated of
+                       dense, moira, moira_mvar; default all three); needs --acc-prompts
+                       and --acc-model
+  tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
+                       --acc-prompts): FLASH_ATTN, then MOIRA coverage at gamma 0.99 and
+                       0.98 (no fixed count), then --merge into tpot_real.json (SHAPES
+                       default 31744x16,16384x32,8192x64,31744x1)
+  serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
+                       from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
+                       (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
+                       1,16,32), into serving_real.json
 
 Options:
   --out DIR            output directory (required; created)
@@ -42,9 +55,11 @@ Options:
                        correctness, tpot (both backends), summaries and accuracy; their
                        records get the suffix _fp8
   --acc-prompts FILE   accuracy prompts (run_accuracy_vllm export; default
-                       .stage/accuracy/prompts.json)
-  --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py;
-                       default .stage/accuracy/model)
+                       .stage/accuracy/prompts.json); also the text of tpot-real and
+                       serving-real
+  --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py or
+                       scripts/gpu_carry_model.py assemble; default .stage/accuracy/model);
+                       also the model of tpot-real and serving-real
   -h, --help           this text
 
 The Moira configuration is the MOIRA_* environment this script is started with;
@@ -65,6 +80,7 @@ KV_DTYPE="auto"
 ACC_PROMPTS=".stage/accuracy/prompts.json"
 ACC_MODEL=".stage/accuracy/model"
 STEPS=()
+NEED_REAL_MODEL=0
 
 need_value() {
     if [[ $# -lt 2 || -z "$2" ]]; then
@@ -111,11 +127,19 @@ for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy) ;;
+        accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
 if [[ ! -f build.sh || ! -d benchmarks ]]; then
     echo "run_gpu.sh: run it from the checkout root" >&2
+    exit 2
+fi
+# The real-model steps cannot do anything without the model and its text: say so before
+# the install and engine starts spend device time.
+if [[ ${NEED_REAL_MODEL} == 1 && ( ! -f "${ACC_PROMPTS}" || ! -d "${ACC_MODEL}" ) ]]; then
+    echo "run_gpu.sh: accuracy-suite, tpot-real and serving-real need --acc-prompts FILE" \
+        "(${ACC_PROMPTS}) and --acc-model DIR (${ACC_MODEL}); see scripts/prepare_model.py" >&2
     exit 2
 fi
 
@@ -271,6 +295,41 @@ for step in "${STEPS[@]}"; do
             run "accuracy${SUFFIX}" python -m benchmarks.accuracy.run_accuracy_vllm merge \
                 "${OUT}/accuracy${SUFFIX}_flash_attn.json" "${OUT}/accuracy${SUFFIX}_moira.json" \
                 --prompts "${ACC_PROMPTS}" --out "${OUT}/accuracy${SUFFIX}.json"
+            ;;
+        accuracy-suite)
+            engines=(dense moira moira_mvar)
+            [[ -n "${arg}" ]] && IFS=, read -r -a engines <<<"${arg}"
+            run "accuracy_suite${SUFFIX}" python -m benchmarks.accuracy.run_accuracy_vllm suite \
+                --prompts "${ACC_PROMPTS}" --model "${ACC_MODEL}" "${KV_ARGS[@]}" \
+                --engines "${engines[@]}" --out-dir "${OUT}/accuracy_suite${SUFFIX}"
+            ;;
+        tpot-real)
+            shapes=${arg:-31744x16,16384x32,8192x64,31744x1}
+            dense="${OUT}/tpot_real${SUFFIX}_dense.json"
+            moira="${OUT}/tpot_real${SUFFIX}_moira.json"
+            # --gen 32: a real-weight engine per backend leaves less of a call for steps.
+            run "tpot_real${SUFFIX}_dense" python benchmarks/bench_tpot.py --model "${ACC_MODEL}" \
+                --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" --backend FLASH_ATTN \
+                --shapes "${shapes}" --gen 32 --out "${dense}"
+            run "tpot_real${SUFFIX}_moira" python benchmarks/bench_tpot.py --model "${ACC_MODEL}" \
+                --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" --backend MOIRA --gammas 0.99,0.98 \
+                --no-fixed --shapes "${shapes}" --gen 32 --out "${moira}"
+            if [[ -f "${dense}" && -f "${moira}" ]]; then
+                run "tpot_real${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" \
+                    "${moira}" --out "${OUT}/tpot_real${SUFFIX}.json"
+            fi
+            ;;
+        serving-real)
+            dataset="${OUT}/serve_text.jsonl"
+            run serving_real_dataset python benchmarks/bench_serving.py \
+                --make-dataset "${dataset}" --from-prompts "${ACC_PROMPTS}" \
+                --tokenizer "${ACC_MODEL}" || continue
+            # Two real-weight server starts (~150 s each) and 1,024-token answers at three
+            # concurrencies: the default 570 s budget is too short.
+            run serving_real python benchmarks/bench_serving.py --model "${ACC_MODEL}" \
+                --tokenizer "${ACC_MODEL}" --dataset "${dataset}" \
+                --concurrency "${arg:-1,16,32}" --waves 2 --moira-env MOIRA_GAMMA=0.98 \
+                --detailed --budget-s 900 --log-dir "${OUT}" --out "${OUT}/serving_real.json"
             ;;
     esac
 done

@@ -42,3 +42,30 @@ def test_help_names_the_kv_cache_option():
     )
     assert result.returncode == 0
     assert "--kv-cache-dtype D" in result.stdout and "_fp8" in result.stdout
+
+
+@pytest.mark.parametrize("step", ["accuracy-suite", "tpot-real:8192x4", "serving-real:1"])
+def test_real_model_steps_need_the_model_and_text_before_installing(tmp_path, step):
+    result = _run(
+        "--acc-prompts", str(tmp_path / "missing.json.gz"),
+        "--acc-model", str(tmp_path / "missing-model"),
+        step,
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "need --acc-prompts FILE" in result.stderr and "missing-model" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_real_model_steps_pass_the_check_when_the_files_exist(tmp_path):
+    prompts = tmp_path / "prompts.json.gz"
+    prompts.write_bytes(b"")
+    (tmp_path / "model").mkdir()
+    result = _run(
+        "--acc-prompts", str(prompts), "--acc-model", str(tmp_path / "model"),
+        "--no-install", "--prefix", str(tmp_path / "no-prefix"), "tpot-real",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    # Past the model check, it stops at the missing install instead.
+    assert result.returncode == 1
+    assert "env.sh not found" in result.stderr
