@@ -304,16 +304,16 @@ for step in "${STEPS[@]}"; do
                 --engines "${engines[@]}" --out-dir "${OUT}/accuracy_suite${SUFFIX}"
             ;;
         tpot-real)
-            shapes=${arg:-31744x16,16384x32,8192x64,31744x1}
+            real_shapes=${arg:-31744x16,16384x32,8192x64,31744x1}
             dense="${OUT}/tpot_real${SUFFIX}_dense.json"
             moira="${OUT}/tpot_real${SUFFIX}_moira.json"
             # --gen 32: a real-weight engine per backend leaves less of a call for steps.
             run "tpot_real${SUFFIX}_dense" python benchmarks/bench_tpot.py --model "${ACC_MODEL}" \
                 --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" --backend FLASH_ATTN \
-                --shapes "${shapes}" --gen 32 --out "${dense}"
+                --shapes "${real_shapes}" --gen 32 --out "${dense}"
             run "tpot_real${SUFFIX}_moira" python benchmarks/bench_tpot.py --model "${ACC_MODEL}" \
                 --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" --backend MOIRA --gammas 0.99,0.98 \
-                --no-fixed --shapes "${shapes}" --gen 32 --out "${moira}"
+                --no-fixed --shapes "${real_shapes}" --gen 32 --out "${moira}"
             if [[ -f "${dense}" && -f "${moira}" ]]; then
                 run "tpot_real${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" \
                     "${moira}" --out "${OUT}/tpot_real${SUFFIX}.json"
