@@ -147,12 +147,39 @@ def parse_two_stage(name: str) -> tuple[str, str, float, float] | None:
     return None
 
 
+ANCHOR_MODES = {  # mode -> (seeded, horizon in steps (0: none), only lower estimates)
+    "seed": (True, 0, False),
+    "noseed": (False, 0, False),
+    "h1": (False, 1, False),
+    "h1down": (False, 1, True),
+    "down": (False, 0, True),
+}
+
+
+def parse_anchored(name: str) -> tuple[str, tuple[bool, int, bool]] | None:
+    """Anchored estimators: ``(base, mode)`` for ``fb/<base>/<mode>`` (``ANCHOR_MODES``).
+
+    The base estimate of a page is corrected by its error at the last step whose list kept
+    the page (``research.AnchoredEstimate``): Attend computes the exact log-mass of every
+    kept page anyway, so the correction costs a store per kept page and a load per page.
+    ``seed``: the first row keeps every page (one dense step), so every page has an anchor;
+    ``h1``: anchors from the previous step only; ``down``: only lowering corrections.
+    """
+    parts = name.split("/")
+    if parts[0] != "fb":
+        return None
+    if len(parts) != 3 or parts[2] not in ANCHOR_MODES:
+        raise ValueError(f"expected fb/<base>/<{'|'.join(ANCHOR_MODES)}>: {name!r}")
+    return parts[1], ANCHOR_MODES[parts[2]]
+
+
 def base_estimators(estimators) -> list[str]:
-    """Every single-stage estimator the list needs (two-stage names expanded)."""
+    """Every single-stage estimator the list needs (two-stage and anchored names expanded)."""
     out = []
     for e in estimators:
         two = parse_two_stage(e)
-        for b in (two[0], two[1]) if two else (e,):
+        anchored = parse_anchored(e)
+        for b in (two[0], two[1]) if two else (anchored[0],) if anchored else (e,):
             if b not in out:
                 out.append(b)
     return out
@@ -164,11 +191,13 @@ def _new_stats() -> dict:
 
 
 def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: str = "",
-            heat: dict | None = None) -> None:  # fmt: skip
+            heat: dict | None = None, warmup_rows: int = 0) -> None:  # fmt: skip
     """Add one captured prompt's rows to ``stats[(estimator, gamma)]``.
 
     A (row, KV head) list is needle-attending when the true group-mean share of some
     needle page is >= ``NEEDLE_SHARE``; it drops a needle when its list misses such a page.
+    The first ``warmup_rows`` rows of each prompt are run (anchored estimators learn from
+    them) but counted for no estimator.
     """
     seq_total = blob["seq_len"]
     spans = blob.get("needle_spans") or [tuple(blob["needle_tokens"])]
@@ -189,6 +218,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         h_kv, _, d = keys_all.shape
         pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
         radius, chan_dev = research.page_spread_bounds(pages)  # [n, H], [n, H, D]
+        anchors: dict = {}  # (estimator, gamma) -> research.AnchoredEstimate, per layer
         for i in range(k_rows):
             seq_len = seq_total - k_rows + i + 1
             q = q_rows[:, i]
@@ -221,8 +251,22 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             upper = None  # the radius bound of this row's pages, for 2u estimators
             for est_name in estimators:
                 two = parse_two_stage(est_name)
+                anchored = parse_anchored(est_name)
                 for gamma in gammas:
-                    if two and math.isnan(two[3]):
+                    lists = None
+                    if anchored:
+                        anchor = anchors.setdefault(
+                            (est_name, gamma),
+                            research.AnchoredEstimate(
+                                h_kv, n_full + 1, anchored[1][1], anchored[1][2]
+                            ),
+                        )
+                        if anchored[1][0] and i == 0:  # the seed step: every page, exact
+                            est = exact
+                            lists = [torch.arange(n, dtype=torch.int32)] * h_kv
+                        else:
+                            est = anchor.correct(ests[anchored[0]])
+                    elif two and math.isnan(two[3]):
                         if upper is None:
                             idx = torch.arange(n).clamp_max(n_full - 1)
                             upper = research.radius_upper_logmass(
@@ -237,8 +281,13 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                         )
                     else:
                         est = ests[est_name]
-                    pibar = ref.group_mean_shares(est)
-                    lists = [ref.select_pages(pibar[h], gamma=gamma) for h in range(len(pibar))]
+                    if lists is None:
+                        pibar = ref.group_mean_shares(est)
+                        lists = [ref.select_pages(pibar[h], gamma=gamma) for h in range(h_kv)]
+                    if anchored:
+                        anchor.update(lists, exact, ests[anchored[0]])
+                    if i < warmup_rows:
+                        continue
                     o, _ = ref.attend_pages(q, keys, vals, lists, seq_len, scale)
                     err = (
                         (o - o_dense).norm(dim=-1) / o_dense.norm(dim=-1).clamp_min(1e-12)
@@ -379,6 +428,9 @@ def main() -> None:
     ap.add_argument("--estimators", nargs="+", default=ESTIMATORS)
     ap.add_argument("--gammas", type=float, nargs="+", default=GAMMAS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--warmup-rows", type=int, default=0, help="rows per prompt run but not counted"
+    )
     ap.add_argument("--heatmaps", action="store_true",
                     help="write kept-fraction heat maps (gamma 0.98) to docs/img/")  # fmt: skip
     ap.add_argument(
@@ -407,7 +459,8 @@ def main() -> None:
         )
         t0 = time.time()
         stats = stats_by_ctx.setdefault(ctx, {})
-        analyse(blob, scale, args.estimators, args.gammas, stats, label, heat_all)
+        analyse(blob, scale, args.estimators, args.gammas, stats, label, heat_all,
+                args.warmup_rows)  # fmt: skip
         print(f"[analyse {j + 1}/{len(runs)}] {label}: {time.time() - t0:.1f}s "
               f"(total {time.time() - t_start:.0f}s)", flush=True)  # fmt: skip
     for ctx, stats in stats_by_ctx.items():

@@ -248,3 +248,49 @@ def bound_gated_logmass(
         dropped[0] = dropped[n - 1] = False
         mask[h] = dropped & (upper_share[h] >= tau * math.exp(-slack))
     return torch.where(mask.unsqueeze(1), stage2, stage1), mask
+
+
+class AnchoredEstimate:
+    """Estimates anchored to the exact log-masses of earlier steps, per KV head.
+
+    Attend computes every kept page's exact log-mass ``e_s(p)`` at step ``s``; the page's
+    base estimate ``b_s(p)`` at that step is known too. At a later step ``t`` the page gets
+    ``b_t(p) + (e_s(p) - b_s(p))``: the last exact value plus the change the base estimator
+    predicts since then, so its error is the error of a difference, not of a level. Pages
+    never kept (and never seeded) keep ``b_t(p)``. The sink and the current page are exact
+    in every base estimate; the current page gets no anchor (it is partial).
+    """
+
+    def __init__(self, h_kv: int, max_pages: int, horizon: int = 0, down_only: bool = False):
+        self.delta: torch.Tensor | None = None  # [H_kv, G, max_pages]
+        self.known = torch.zeros(h_kv, max_pages, dtype=torch.bool)
+        self.stamp = torch.zeros(h_kv, max_pages, dtype=torch.long)
+        self.step = 0
+        self.horizon = horizon  # steps an anchor is used for (0: no end)
+        self.down_only = down_only  # only lower over-estimated pages
+
+    def correct(self, base: torch.Tensor) -> torch.Tensor:
+        """``base`` ``[H_kv, G, n]`` with the anchored pages' corrections added."""
+        if self.delta is None:
+            return base
+        n = base.shape[-1]
+        known = self.known[:, :n]
+        if self.horizon:
+            known = known & (self.step - self.stamp[:, :n] < self.horizon)
+        delta = self.delta[..., :n]
+        if self.down_only:
+            delta = delta.clamp_max(0.0)
+        return base + torch.where(known.unsqueeze(1), delta, torch.zeros_like(base))
+
+    def update(self, lists: list[torch.Tensor], exact: torch.Tensor, base: torch.Tensor) -> None:
+        """Anchor the middle pages of this step's ``lists`` (what Attend reads)."""
+        h_kv, g, n = exact.shape
+        self.step += 1
+        if self.delta is None:
+            self.delta = torch.zeros(h_kv, g, self.known.shape[1])
+        for h, lst in enumerate(lists):
+            pages = lst.long()
+            pages = pages[(pages > 0) & (pages < n - 1)]
+            self.delta[h][:, pages] = exact[h][:, pages] - base[h][:, pages]
+            self.known[h, pages] = True
+            self.stamp[h, pages] = self.step

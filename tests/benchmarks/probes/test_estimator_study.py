@@ -51,6 +51,15 @@ def test_parse_two_stage_names():
     ]
 
 
+def test_parse_anchored_names():
+    assert study.parse_anchored("int8:mvar_top8") is None
+    assert study.parse_anchored("fb/int8:mvar_top8/seed") == ("int8:mvar_top8", (True, 0, False))
+    assert study.parse_anchored("fb/mvar/h1down") == ("mvar", (False, 1, True))
+    with pytest.raises(ValueError, match="fb/<base>/"):
+        study.parse_anchored("fb/mvar/h2")
+    assert study.base_estimators(["oracle", "fb/int8:mvar_top8/h1"]) == ["oracle", "int8:mvar_top8"]
+
+
 def test_summarize_reports_ratios_to_the_oracle_and_needle_drops():
     stats = {}
     for name, kept, err, drops in (("oracle", 0.4, 0.02, {}), ("mvar", 0.5, 0.03, {"L18/H2": 2})):

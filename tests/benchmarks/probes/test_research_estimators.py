@@ -183,3 +183,36 @@ def test_bound_gated_refines_dropped_pages_the_bound_cannot_rule_out():
     torch.testing.assert_close(est[..., [0, 1, 2, 4, 5]], stage1[..., [0, 1, 2, 4, 5]])
     _, wide = research.bound_gated_logmass(stage1, upper, stage2, 0.9, slack=math.log(100.0))
     assert wide.tolist() == [[False, False, False, True, True, False]]
+
+
+def test_anchored_estimate_adds_the_last_exact_error_of_kept_middle_pages():
+    gen = torch.Generator().manual_seed(3)
+    h_kv, g, n = 2, 3, 6
+    base_0 = torch.randn(h_kv, g, n, generator=gen)
+    exact_0 = torch.randn(h_kv, g, n, generator=gen)
+    anchor = research.AnchoredEstimate(h_kv, n + 1)
+    assert torch.equal(anchor.correct(base_0), base_0)  # nothing anchored yet
+    lists = [torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 1, 3, 5])]
+    anchor.update(lists, exact_0, base_0)
+    base_1 = torch.randn(h_kv, g, n, generator=gen)
+    got = anchor.correct(base_1)
+    want = base_1.clone()
+    for h, pages in ((0, [2]), (1, [1, 3])):  # middle pages only: not the sink, not page 5
+        want[h][:, pages] += exact_0[h][:, pages] - base_0[h][:, pages]
+    assert torch.allclose(got, want)
+    # a base equal to the anchored step's gives back that step's exact masses
+    assert torch.allclose(anchor.correct(base_0)[0, :, 2], exact_0[0, :, 2])
+
+
+def test_anchored_estimate_horizon_and_down_only():
+    h_kv, g, n = 1, 1, 5
+    base = torch.zeros(h_kv, g, n)
+    exact = torch.tensor([[[0.0, 2.0, -3.0, 0.0, 0.0]]])
+    down = research.AnchoredEstimate(h_kv, n, down_only=True)
+    down.update([torch.tensor([0, 1, 2, 4])], exact, base)
+    assert down.correct(base)[0, 0].tolist() == [0.0, 0.0, -3.0, 0.0, 0.0]
+    h1 = research.AnchoredEstimate(h_kv, n, horizon=1)
+    h1.update([torch.tensor([0, 1, 4])], exact, base)
+    assert h1.correct(base)[0, 0, 1] == 2.0
+    h1.update([torch.tensor([0, 2, 4])], exact, base)  # page 1 not kept: its anchor expires
+    assert h1.correct(base)[0, 0].tolist() == [0.0, 0.0, -3.0, 0.0, 0.0]
