@@ -23,7 +23,7 @@ calibration gives them). FA3 runs on the same fp8 cache with its query in e4m3
 (q_scale 1, vLLM's default) and the scales as descales; the float32 reference
 reads the dequantized cache with the bf16 query, as Moira does.
 
-Page-mass estimators (issue 10, --estimators mvar,mvar_rem,mvar_top4): per
+Page-mass estimators (--estimators mvar,mvar_rem,mvar_top4): per
 estimator and shape, summaries written by the kernel writer of that estimator
 (checked against the reference on a few pages), Estimate checked against the
 reference on a few rows and Select's lists against the reference lists, and

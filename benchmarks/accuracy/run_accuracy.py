@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 6, CPU-sized: RULER-style accuracy of SmolLM2-135M under Moira vs dense.
+"""CPU-sized: RULER-style accuracy of SmolLM2-135M under Moira vs dense.
 
     python -m benchmarks.accuracy.run_accuracy [--contexts 2048] [--docs 2] [--max-new 12]
 

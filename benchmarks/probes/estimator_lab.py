@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 10 scratch lab: fast evaluation of candidate page-mass estimators on the
+"""Scratch lab: fast evaluation of candidate page-mass estimators on the
 cached SmolLM2 captures of ``benchmarks.probes.estimator_study`` (no model load).
 
     python -m benchmarks.probes.estimator_lab --context 4096 --est mvar top:2:dev ...

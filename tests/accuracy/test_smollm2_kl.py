@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Real-model check (issue 6, CPU-sized): SmolLM2-135M-Instruct through the float32
+"""Real-model check (CPU-sized): SmolLM2-135M-Instruct through the float32
 reference, every layer sparse on the last decode rows of a ~1.2k-token needle prompt.
 
 Prepares the model itself (``scripts/prepare_model.py`` into ``.cache/models/``,

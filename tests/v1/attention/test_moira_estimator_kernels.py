@@ -221,7 +221,7 @@ def test_moira_decode_refuses_summaries_of_another_estimator():
 # --------------------------------------------------------------------------
 def test_estimator_constants_match_reference():
     assert moira.MOIRA_ESTIMATORS == ("mvar", "mvar_rem", "mvar_top2", "mvar_top4", "mvar_top8")
-    # Default: mvar_top8 on int8 summaries, the estimator that met issue 10's targets and
+    # Default: mvar_top8 on int8 summaries, the estimator that met the study's targets and
     # kept gamma = 0.99 within a point of dense in vLLM (docs/estimator.md, "The default").
     assert moira.MoiraConfig().estimator == moira.MOIRA_DEFAULT_ESTIMATOR == "mvar_top8"
     assert moira.MoiraConfig().summary_dtype == moira.MOIRA_DEFAULT_SUMMARY_DTYPE == "int8"
