@@ -129,6 +129,22 @@ CAPPED = {  # research.capped_spread_logmass variants: (REM spread?, radius cap?
 }
 
 
+#: ``<storage>:top<r>_<spread>``: ``mvar_top{r}``'s summary as that storage gives it back, its
+#: bulk's spread term ``research.SPREADS[spread]`` instead of REM (e.g. ``int8:top8_uniform``)
+SPREAD_RE = re.compile(r"^(?:(int8|bf16):)?top(\d+)_([a-z]+)$")
+
+
+def parse_spread(name: str) -> tuple[str, str] | None:
+    """``(summary estimator, spread)`` of a ``SPREAD_RE`` name, e.g. ``("int8:mvar_top8",
+    "uniform")``; None for other names."""
+    m = SPREAD_RE.match(name)
+    if m is None:
+        return None
+    if m.group(3) not in research.SPREADS:
+        raise ValueError(f"unknown spread {m.group(3)!r} in {name!r}: {sorted(research.SPREADS)}")
+    return f"{m.group(1) + ':' if m.group(1) else ''}mvar_top{m.group(2)}", m.group(3)
+
+
 def parse_two_stage(name: str) -> tuple[str, str, float, float] | None:
     """Two-stage estimators: ``(stage 1, stage 2, below, above)``, ``above = nan`` for ``2u``.
 
@@ -211,6 +227,10 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         n_full = seq_total // H.PAGE
         summaries = {}
         for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
+            spread = parse_spread(e)
+            if spread:
+                summaries[e] = H.page_summaries_for(keys_all, n_full, spread[0])
+                continue
             base, storage = ref.parse_stored_estimator(e)
             if base in ref.TOP_ESTIMATORS or storage is not None:
                 summaries[e] = H.page_summaries_for(keys_all, n_full, e)
@@ -231,7 +251,14 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             o_dense, _ = ref.attend_pages(q, keys, vals, dense, seq_len, scale)
             ests = {}
             for e in bases:
-                if e in CAPPED:
+                spread = parse_spread(e)
+                if spread:
+                    summ = summaries[e]
+                    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)  # current: exact below
+                    est = research.top_spread_logmass(q, summ[idx], scale, spread[1])
+                    est[..., 0] = exact[..., 0]
+                    est[..., n - 1] = exact[..., n - 1]
+                elif e in CAPPED:
                     rem, use_r, use_c = CAPPED[e]
                     summ = summaries[None]
                     # the current page (partial or not) is padded here, exact below

@@ -294,3 +294,35 @@ class AnchoredEstimate:
             self.delta[h][:, pages] = exact[h][:, pages] - base[h][:, pages]
             self.known[h, pages] = True
             self.stamp[h, pages] = self.step
+
+
+def uniform_spread(v: torch.Tensor) -> torch.Tensor:
+    """Spread term of logits spread uniformly with variance ``v``: ``log(sinh(a) / a)``,
+    ``a = sqrt(3 v)`` (the half-width). ``v / 2`` to first order, like the Gaussian's, but
+    ``a - log(2 a)`` for wide pages, where the Gaussian grows as ``v / 2`` and REM as
+    ``sqrt(2 ln m v)``: a light-tailed model of the bulk's logits."""
+    a = (3.0 * v.clamp_min(0.0)).sqrt()
+    small = a < 1e-3
+    a_safe = torch.where(small, torch.ones_like(a), a)
+    big = a_safe + torch.log1p(-torch.exp(-2.0 * a_safe)) - torch.log(2.0 * a_safe)
+    return torch.where(small, 0.5 * v, big)
+
+
+SPREADS = {"uniform": uniform_spread}
+
+
+def top_spread_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float, spread: str
+) -> torch.Tensor:
+    """``mvar_top{r}`` (``[n, H_kv, 2 + r, D]`` summary) with the bulk's REM term replaced by
+    ``SPREADS[spread]``; ``[H_kv, G, n]``."""
+    h_kv = page_summaries.shape[1]
+    r = page_summaries.shape[2] - 2
+    count = ref.PAGE_SIZE - r
+    q = query.float().view(h_kv, -1, query.shape[-1]) * scale
+    summ = page_summaries.float()
+    mean_term = torch.einsum("hgd,nhd->hgn", q, summ[:, :, 0])
+    v = torch.einsum("hgd,nhd->hgn", q * q, summ[:, :, 1])
+    bulk = mean_term + SPREADS[spread](v) + math.log(count)
+    stored = torch.einsum("hgd,nhrd->hgnr", q, summ[:, :, 2:])
+    return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))

@@ -60,6 +60,14 @@ def test_parse_anchored_names():
     assert study.base_estimators(["oracle", "fb/int8:mvar_top8/h1"]) == ["oracle", "int8:mvar_top8"]
 
 
+def test_parse_spread_names():
+    assert study.parse_spread("int8:top8_uniform") == ("int8:mvar_top8", "uniform")
+    assert study.parse_spread("top4_uniform") == ("mvar_top4", "uniform")
+    assert study.parse_spread("int8:mvar_top8") is None
+    with pytest.raises(ValueError, match="unknown spread"):
+        study.parse_spread("top8_cauchy")
+
+
 def test_summarize_reports_ratios_to_the_oracle_and_needle_drops():
     stats = {}
     for name, kept, err, drops in (("oracle", 0.4, 0.02, {}), ("mvar", 0.5, 0.03, {"L18/H2": 2})):

@@ -216,3 +216,28 @@ def test_anchored_estimate_horizon_and_down_only():
     assert h1.correct(base)[0, 0, 1] == 2.0
     h1.update([torch.tensor([0, 2, 4])], exact, base)  # page 1 not kept: its anchor expires
     assert h1.correct(base)[0, 0].tolist() == [0.0, 0.0, -3.0, 0.0, 0.0]
+
+
+def test_uniform_spread_is_the_log_mean_exp_of_uniform_logits():
+    v = torch.tensor([0.0, 1e-8, 0.3, 3.0, 40.0])
+    got = research.uniform_spread(v)
+    a = (3 * v).sqrt()
+    grid = torch.linspace(-1, 1, 200001, dtype=torch.float64)
+    for i in range(len(v)):  # log E exp(X), X uniform on [-a, a], by quadrature
+        want = torch.logsumexp(grid * float(a[i]), 0) - math.log(len(grid))
+        assert float(got[i]) == pytest.approx(float(want), abs=1e-4)
+    # never above the Gaussian's v / 2; for a wide page (v = 40) 6 nats under REM's term
+    assert (got <= 0.5 * v + 1e-6).all()
+    assert float(got[-1]) < float(ref.rem_spread(v, 56)[-1]) - 6.0
+
+
+def test_top_spread_with_rem_would_be_the_shipped_top_estimator():
+    kv, query = _paged_case()
+    pages = kv[..., :D]  # [n, H, 64, D]
+    summ = ref.summarize_key_pages_top(pages, 4)
+    research.SPREADS["rem_test"] = lambda v: ref.rem_spread(v, PAGE - 4)
+    try:
+        got = research.top_spread_logmass(query, summ, SCALE, "rem_test")
+    finally:
+        del research.SPREADS["rem_test"]
+    assert torch.allclose(got, ref.top_page_logmass(query, summ, SCALE), atol=1e-5)
