@@ -145,6 +145,19 @@ def parse_spread(name: str) -> tuple[str, str] | None:
     return f"{m.group(1) + ':' if m.group(1) else ''}mvar_top{m.group(2)}", m.group(3)
 
 
+#: ``top<r>_pc<k>``: ``mvar_top{r}`` with the bulk's variance along ``x`` from its ``k``
+#: principal axes (``research.top_pc_logmass``; float32 summaries)
+#: ``top<r>_pc<k>_<max|bennett>``: the same with the spread capped by the bulk's bound
+#: along the axes and the remainder (``research.top_pc_bound_logmass``)
+PC_RE = re.compile(r"^top(\d+)_pc(\d+)(?:_(max|bennett))?$")
+
+
+def parse_pc(name: str) -> tuple[int, int, str | None] | None:
+    """``(r, k, cap rule or None)`` of a ``PC_RE`` name, None for other names."""
+    m = PC_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
 def parse_two_stage(name: str) -> tuple[str, str, float, float] | None:
     """Two-stage estimators: ``(stage 1, stage 2, below, above)``, ``above = nan`` for ``2u``.
 
@@ -189,11 +202,27 @@ def parse_anchored(name: str) -> tuple[str, tuple[bool, int, bool]] | None:
     return parts[1], ANCHOR_MODES[parts[2]]
 
 
+def parse_spread_gated(name: str) -> tuple[str, str, float, float] | None:
+    """``2v/<stage 1>/<stage 2>/<below>/<vmult>``: ``(stage 1, stage 2, below, vmult)``.
+
+    Stage 2 for the pages of ``research.refine_band`` (``above = inf``: every page stage 1
+    keeps and the band ``below`` nats under its threshold) whose bulk variance along ``x``
+    (stage 1's summary, mean over the group) is at least ``vmult`` times REM's critical
+    variance ``2 ln m``: the wide pages, where the spread term can over-estimate.
+    """
+    parts = name.split("/")
+    if parts[0] != "2v":
+        return None
+    if len(parts) != 5:
+        raise ValueError(f"expected 2v/<s1>/<s2>/<below>/<vmult>: {name!r}")
+    return parts[1], parts[2], float(parts[3]), float(parts[4])
+
+
 def base_estimators(estimators) -> list[str]:
     """Every single-stage estimator the list needs (two-stage and anchored names expanded)."""
     out = []
     for e in estimators:
-        two = parse_two_stage(e)
+        two = parse_two_stage(e) or parse_spread_gated(e)
         anchored = parse_anchored(e)
         for b in (two[0], two[1]) if two else (anchored[0],) if anchored else (e,):
             if b not in out:
@@ -203,7 +232,8 @@ def base_estimators(estimators) -> list[str]:
 
 def _new_stats() -> dict:
     return {"kept": [], "cap": [], "err": [], "needle_lists": 0, "needle_drop": 0, "drops": {},
-            "drop_share_max": 0.0, "prompts_with_drop": set(), "refined": []}  # fmt: skip
+            "drop_share_max": 0.0, "prompts_with_drop": set(), "refined": [],
+            "refined_out": []}  # fmt: skip
 
 
 def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: str = "",
@@ -226,7 +256,14 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         k_rows = q_rows.shape[1]
         n_full = seq_total // H.PAGE
         summaries = {}
+        h_kv_all = keys_all.shape[0]
         for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
+            pc = parse_pc(e)
+            if pc:
+                full = keys_all[:, : n_full * H.PAGE].reshape(h_kv_all, n_full, H.PAGE, -1)
+                make = research.summarize_top_pc_bound if pc[2] else research.summarize_top_pc
+                summaries[e] = make(full.transpose(0, 1), pc[0], pc[1])
+                continue
             spread = parse_spread(e)
             if spread:
                 summaries[e] = H.page_summaries_for(keys_all, n_full, spread[0])
@@ -252,7 +289,17 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             ests = {}
             for e in bases:
                 spread = parse_spread(e)
-                if spread:
+                pc = parse_pc(e)
+                if pc:
+                    summ = summaries[e]
+                    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)  # current: exact below
+                    if pc[2]:
+                        est = research.top_pc_bound_logmass(q, summ[idx], scale, pc[1], pc[2])
+                    else:
+                        est = research.top_pc_logmass(q, summ[idx], scale, pc[1])
+                    est[..., 0] = exact[..., 0]
+                    est[..., n - 1] = exact[..., n - 1]
+                elif spread:
                     summ = summaries[e]
                     idx = torch.arange(n).clamp_max(summ.shape[0] - 1)  # current: exact below
                     est = research.top_spread_logmass(q, summ[idx], scale, spread[1])
@@ -278,10 +325,22 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             upper = None  # the radius bound of this row's pages, for 2u estimators
             for est_name in estimators:
                 two = parse_two_stage(est_name)
+                gated = parse_spread_gated(est_name)
                 anchored = parse_anchored(est_name)
                 for gamma in gammas:
                     lists = None
-                    if anchored:
+                    mask = None
+                    if gated:
+                        summ = summaries[gated[0]]
+                        idx = torch.arange(n).clamp_max(summ.shape[0] - 1)
+                        x = q.float().view(h_kv, -1, q.shape[-1]) * scale
+                        v = torch.einsum("hgd,nhd->hgn", x * x, summ[idx, :, 1]).mean(dim=1)
+                        r = summ.shape[2] - 2
+                        wide = v >= gated[3] * 2.0 * math.log(H.PAGE - r)
+                        est, mask = research.two_stage_logmass(
+                            ests[gated[0]], ests[gated[1]], gamma, gated[2], math.inf, wide
+                        )
+                    elif anchored:
                         anchor = anchors.setdefault(
                             (est_name, gamma),
                             research.AnchoredEstimate(
@@ -302,7 +361,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                         est, mask = research.bound_gated_logmass(
                             ests[two[0]], upper, ests[two[1]], gamma, two[2]
                         )
-                    elif two:
+                    elif two:  # 2s
                         est, mask = research.two_stage_logmass(
                             ests[two[0]], ests[two[1]], gamma, two[2], two[3]
                         )
@@ -321,8 +380,13 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     ).mean()
                     s = stats.setdefault((est_name, gamma), _new_stats())
                     s["err"].append(float(err))
-                    if two:  # fraction of the middle pages stage 2 refines, per KV head
+                    if mask is not None:  # fraction of the middle pages stage 2 refines,
+                        # and of those Attend does not read anyway (extra key reads)
                         s["refined"] += mask[:, 1 : n - 1].float().mean(dim=1).tolist()
+                        for h, lst in enumerate(lists):
+                            out = mask[h].clone()
+                            out[lst.long()] = False
+                            s["refined_out"].append(float(out[1 : n - 1].float().mean()))
                     for h, lst in enumerate(lists):
                         kept = set(lst.tolist())
                         s["kept"].append(len(kept) / n)
@@ -374,6 +438,7 @@ def summarize(stats) -> list[dict]:
         if s["refined"]:
             row["stage2_fraction_mean"] = sum(s["refined"]) / len(s["refined"])
             row["stage2_fraction_p90"] = quantile(s["refined"], 0.90)
+            row["stage2_outside_list_mean"] = sum(s["refined_out"]) / len(s["refined_out"])
         oracle = stats.get(("oracle", gamma))
         if oracle is not None:
             row["kept_x_oracle"] = row["kept_mean"] / (sum(oracle["kept"]) / len(oracle["kept"]))

@@ -200,13 +200,20 @@ def refine_band(pibar: torch.Tensor, gamma: float, below: float, above: float) -
 
 
 def two_stage_logmass(
-    stage1: torch.Tensor, stage2: torch.Tensor, gamma: float, below: float, above: float
+    stage1: torch.Tensor,
+    stage2: torch.Tensor,
+    gamma: float,
+    below: float,
+    above: float,
+    only: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's log-masses ``[H_kv, G, n]`` with the pages of :func:`refine_band`
-    (per KV head, from stage 1's group-mean shares) replaced by stage 2's.
-    Returns ``(log-masses, refined mask [H_kv, n])``."""
+    (per KV head, from stage 1's group-mean shares; ``only`` ``[H_kv, n]``: of those, these)
+    replaced by stage 2's. Returns ``(log-masses, refined mask [H_kv, n])``."""
     pibar = ref.group_mean_shares(stage1)
     mask = torch.stack([refine_band(pibar[h], gamma, below, above) for h in range(len(pibar))])
+    if only is not None:
+        mask = mask & only
     return torch.where(mask.unsqueeze(1), stage2, stage1), mask
 
 
@@ -325,4 +332,107 @@ def top_spread_logmass(
     v = torch.einsum("hgd,nhd->hgn", q * q, summ[:, :, 1])
     bulk = mean_term + SPREADS[spread](v) + math.log(count)
     stored = torch.einsum("hgd,nhrd->hgnr", q, summ[:, :, 2:])
+    return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
+
+
+def summarize_top_pc(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """``mvar_top{r}``'s summary plus the bulk's ``k`` leading principal axes:
+    ``[..., 2 + k + r, D]``: bulk mean, bulk per-channel variance, ``w_i = sqrt(l_i) u_i``
+    (eigenpairs of the bulk's covariance, largest first), then the ``r`` stored keys."""
+    top = ref.summarize_key_pages_top(pages, r)
+    pages = pages.float()
+    mean = pages.mean(dim=-2, keepdim=True)
+    dist = ((pages - mean) ** 2).sum(dim=-1)
+    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False).unsqueeze(-1)
+    centred = (pages - top[..., :1, :]) * bulk.float()
+    cov = centred.transpose(-1, -2) @ centred / (ref.PAGE_SIZE - r)  # [..., D, D]
+    evals, evecs = torch.linalg.eigh(cov)  # ascending
+    lead = evals[..., -k:].flip(-1).clamp_min(0.0).sqrt()  # [..., k]
+    axes = evecs[..., -k:].flip(-1).transpose(-1, -2) * lead.unsqueeze(-1)  # [..., k, D]
+    return torch.cat([top[..., :2, :], axes, top[..., 2:, :]], dim=-2)
+
+
+def top_pc_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float, k: int
+) -> torch.Tensor:
+    """``mvar_top{r}`` whose bulk variance along ``x`` is taken from the ``k`` principal axes
+    exactly and the rest per channel: ``sum_i (x.w_i)^2 + x^2 . (sigma^2 - sum_i w_i^2)``
+    (``summarize_top_pc``'s layout); ``[H_kv, G, n]``."""
+    h_kv = page_summaries.shape[1]
+    r = page_summaries.shape[2] - 2 - k
+    count = ref.PAGE_SIZE - r
+    x = query.float().view(h_kv, -1, query.shape[-1]) * scale
+    summ = page_summaries.float()
+    axes = summ[:, :, 2 : 2 + k]  # [n, H, k, D]
+    mean_term = torch.einsum("hgd,nhd->hgn", x, summ[:, :, 0])
+    residual = (summ[:, :, 1] - (axes**2).sum(dim=2)).clamp_min(0.0)
+    v = torch.einsum("hgd,nhd->hgn", x * x, residual)
+    v = v + (torch.einsum("hgd,nhkd->hgnk", x, axes) ** 2).sum(-1)
+    bulk = mean_term + ref.rem_spread(v, count) + math.log(count)
+    stored = torch.einsum("hgd,nhrd->hgnr", x, summ[:, :, 2 + k :])
+    if stored.shape[-1] == 0:
+        return bulk
+    return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
+
+
+def summarize_top_pc_bound(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """``summarize_top_pc``'s layout plus, before the stored keys, one slot of the bulk's
+    largest deviations: ``[max_t |c_ti|]_{i<k}`` along each axis ``u_i`` and ``max_t |e_t|``
+    of the remainder ``e_t`` (``k_t - mu = sum_i c_ti u_i + e_t``): ``[..., 3 + k + r, D]``."""
+    summ = summarize_top_pc(pages, r, k)
+    pages = pages.float()
+    mean = pages.mean(dim=-2, keepdim=True)
+    dist = ((pages - mean) ** 2).sum(dim=-1)
+    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False)
+    axes = summ[..., 2 : 2 + k, :]
+    units = axes / axes.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [..., k, D]
+    dev = pages - summ[..., :1, :]  # [..., 64, D]
+    coef = dev @ units.transpose(-1, -2)  # [..., 64, k]
+    rest = (dev - coef @ units).norm(dim=-1)  # [..., 64]
+    neg = torch.tensor(0.0)
+    cmax = torch.where(bulk.unsqueeze(-1), coef.abs(), neg).amax(dim=-2)  # [..., k]
+    rmax = torch.where(bulk, rest, neg).amax(dim=-1, keepdim=True)  # [..., 1]
+    slot = torch.zeros_like(summ[..., :1, :])
+    slot[..., 0, :k] = cmax
+    slot[..., 0, k] = rmax[..., 0]
+    return torch.cat([summ[..., : 2 + k, :], slot, summ[..., 2 + k :, :]], dim=-2)
+
+
+def bennett_spread(v: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Largest ``log E exp(X - EX)`` of a variable of variance ``v`` with ``X - EX <= b``
+    (Bennett): ``log((v e^b + b^2 e^(-v/b)) / (v + b^2))``."""
+    b = b.clamp_min(1e-6)
+    v = v.clamp_min(1e-12)
+    num = torch.logaddexp(torch.log(v) + b, 2 * torch.log(b) - v / b)
+    return num - torch.log(v + b * b)
+
+
+def top_pc_bound_logmass(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float, k: int, rule: str
+) -> torch.Tensor:
+    """``top_pc_logmass``'s variance with the bulk's spread term capped by the bound ``b`` of
+    its largest logit above the mean (``summarize_top_pc_bound``'s layout):
+    ``rule`` ``"max"``: ``min(rem, b)``; ``"bennett"``: ``min(rem, bennett(v, b))``."""
+    h_kv = page_summaries.shape[1]
+    r = page_summaries.shape[2] - 3 - k
+    count = ref.PAGE_SIZE - r
+    x = query.float().view(h_kv, -1, query.shape[-1]) * scale
+    summ = page_summaries.float()
+    axes = summ[:, :, 2 : 2 + k]  # [n, H, k, D]
+    bnd = summ[:, :, 2 + k]  # [n, H, D]
+    mean_term = torch.einsum("hgd,nhd->hgn", x, summ[:, :, 0])
+    residual = (summ[:, :, 1] - (axes**2).sum(dim=2)).clamp_min(0.0)
+    proj = torch.einsum("hgd,nhkd->hgnk", x, axes)  # x . w_i
+    v = torch.einsum("hgd,nhd->hgn", x * x, residual) + (proj**2).sum(-1)
+    units = axes / axes.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    xu = torch.einsum("hgd,nhkd->hgnk", x, units)  # x . u_i
+    x_rest = (x.norm(dim=-1, keepdim=True) ** 2 - (xu**2).sum(-1)).clamp_min(0.0).sqrt()
+    b = (xu.abs() * bnd[:, :, :k].permute(1, 0, 2).unsqueeze(1)).sum(-1)
+    b = b + x_rest * bnd[:, :, k].t().unsqueeze(1)
+    spread = ref.rem_spread(v, count)
+    cap = b if rule == "max" else bennett_spread(v, b)
+    bulk = mean_term + torch.minimum(spread, cap) + math.log(count)
+    stored = torch.einsum("hgd,nhrd->hgnr", x, summ[:, :, 3 + k :])
     return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
