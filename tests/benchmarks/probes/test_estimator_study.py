@@ -104,18 +104,14 @@ def test_captures_are_cached_per_model_and_the_record_names_the_model():
     assert labels["qwen2.5-coder-0.5b"] == "Qwen2.5-Coder-0.5B-Instruct (GGUF -> bf16 -> fp32, CPU)"
 
 
-def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
-    """G = 6 query heads per KV head, head dim 128 (Qwen2.5-Coder-1.5B), on random rows
-    whose queries all point at a needle page."""
-    torch = pytest.importorskip("torch")
-    gen = torch.Generator().manual_seed(0)
-    h_kv, group, d, seq, k_rows = 2, 6, 128, 300, 2
+def _synthetic_blob(torch, seq=300, k_rows=2, h_kv=2, group=3, d=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(h_kv, seq, d, generator=gen)
     q = torch.randn(h_kv, 1, k_rows, d, generator=gen) + 0.3 * torch.randn(
         h_kv, group, k_rows, d, generator=gen
     )
     keys[:, 140:150] = 3.0 * q.mean(dim=(1, 2)).unsqueeze(1)  # the needle, on page 2
-    blob = {
+    return {
         "layers": {
             0: {
                 "q": q.reshape(h_kv * group, k_rows, d).half(),
@@ -126,6 +122,14 @@ def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
         "needle_spans": [(140, 149)],
         "seq_len": seq,
     }
+
+
+def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
+    """G = 6 query heads per KV head, head dim 128 (Qwen2.5-Coder-1.5B), on random rows
+    whose queries all point at a needle page."""
+    torch = pytest.importorskip("torch")
+    h_kv, group, d, k_rows = 2, 6, 128, 2
+    blob = _synthetic_blob(torch, seq=300, k_rows=k_rows, h_kv=h_kv, group=group, d=d)
     stats = {}
     estimators = ["oracle", "int8:mvar_top8", "mvar", "rem_capr", "2u/int8:mvar_top4/oracle/0"]
     study.analyse(blob, d**-0.5, estimators, [0.98], stats, "synthetic")
@@ -135,6 +139,42 @@ def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
         assert r["lists"] == k_rows * h_kv
         assert r["needle_lists"] == k_rows * h_kv and r["needle_dropped"] == 0
     assert rows["oracle"]["captured_min"] >= 0.98
+
+
+def test_parse_spread_gated_and_pc_names():
+    assert study.parse_spread_gated("2v/int8:mvar_top8/oracle/2/0.75") == (
+        "int8:mvar_top8", "oracle", 2.0, 0.75
+    )  # fmt: skip
+    assert study.parse_spread_gated("2s/int8:mvar_rem/oracle/2/inf") is None
+    with pytest.raises(ValueError, match="2v/"):
+        study.parse_spread_gated("2v/int8:mvar_top8/oracle/2")
+    assert study.parse_pc("top8_pc2") == (8, 2, None)
+    assert study.parse_pc("top8_pc2_bennett") == (8, 2, "bennett")
+    assert study.parse_pc("top8_uniform") is None
+    assert study.base_estimators(["2v/int8:mvar_top8/oracle/2/1"]) == ["int8:mvar_top8", "oracle"]
+
+
+def test_new_families_run_on_a_synthetic_prompt_and_gated_refines_fewer_pages():
+    torch = pytest.importorskip("torch")
+    blob = _synthetic_blob(torch, seq=600, k_rows=3)
+    estimators = [
+        "oracle",
+        "int8:mvar_top8",
+        "2s/int8:mvar_top8/oracle/2/inf",
+        "2v/int8:mvar_top8/oracle/2/1",
+        "int8:top8_uniform",
+        "top8_pc2",
+        "top8_pc2_max",
+        "fb/int8:mvar_top8/h1",
+    ]
+    stats = {}
+    study.analyse(blob, 64**-0.5, estimators, [0.98], stats, "synthetic", warmup_rows=1)
+    rows = {r["estimator"]: r for r in study.summarize(stats)}
+    assert set(rows) == set(estimators)
+    assert all(r["lists"] == 2 * 2 for r in rows.values())  # the warm-up row not counted
+    gated, banded = rows["2v/int8:mvar_top8/oracle/2/1"], rows["2s/int8:mvar_top8/oracle/2/inf"]
+    assert gated["stage2_fraction_mean"] <= banded["stage2_fraction_mean"]
+    assert 0 <= gated["stage2_outside_list_mean"] <= gated["stage2_fraction_mean"]
 
 
 def test_heat_maps_of_another_model_do_not_overwrite_smollm2s(tmp_path, monkeypatch):

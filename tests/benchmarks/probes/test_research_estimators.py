@@ -241,3 +241,60 @@ def test_top_spread_with_rem_would_be_the_shipped_top_estimator():
     finally:
         del research.SPREADS["rem_test"]
     assert torch.allclose(got, ref.top_page_logmass(query, summ, SCALE), atol=1e-5)
+
+
+def test_two_stage_only_narrows_the_refined_pages():
+    gen = torch.Generator().manual_seed(8)
+    stage1 = torch.randn(2, 3, 10, generator=gen) * 2
+    stage2 = stage1 - 4.0
+    _, band = research.two_stage_logmass(stage1, stage2, 0.9, 1.0, math.inf)
+    only = torch.zeros(2, 10, dtype=torch.bool)
+    only[:, ::2] = True
+    est, mask = research.two_stage_logmass(stage1, stage2, 0.9, 1.0, math.inf, only)
+    torch.testing.assert_close(mask, band & only)
+    torch.testing.assert_close(est, torch.where(mask.unsqueeze(1), stage2, stage1))
+
+
+def test_principal_axes_give_the_variance_along_the_query():
+    pages, query, _ = _pages_and_exact(5)  # [n, H, 64, D]
+    r = 4
+    summ = research.summarize_top_pc(pages, r, k=D)  # every axis: the full covariance
+    assert summ.shape == (*pages.shape[:2], 2 + D + r, D)
+    top = ref.summarize_key_pages_top(pages, r)
+    torch.testing.assert_close(summ[:, :, :2], top[:, :, :2])
+    torch.testing.assert_close(summ[:, :, 2 + D :], top[:, :, 2:])
+    # with all D axes the bulk term uses x^T Cov x: the Gaussian variance of the bulk logits
+    got = research.top_pc_logmass(query, summ, SCALE, k=D)
+    x = query.view(2, 3, D) * SCALE
+    mean = pages.mean(dim=-2, keepdim=True)
+    order = ((pages - mean) ** 2).sum(-1).sort(dim=-1, descending=True, stable=True).indices
+    bulk_idx = order[..., r:]  # [n, H, 60]
+    bulk = torch.gather(pages, 2, bulk_idx.unsqueeze(-1).expand(-1, -1, -1, D))
+    logits = torch.einsum("hgd,nhtd->hgnt", x, bulk)
+    v = logits.var(dim=-1, unbiased=False)
+    mu = torch.einsum("hgd,nhd->hgn", x, top[:, :, 0])
+    stored = torch.einsum("hgd,nhrd->hgnr", x, top[:, :, 2:])
+    want = torch.logaddexp(
+        mu + ref.rem_spread(v, PAGE - r) + math.log(PAGE - r), torch.logsumexp(stored, -1)
+    )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bennett_spread_bounds_and_the_max_cap():
+    v = torch.tensor([0.5, 4.0, 30.0])
+    b = torch.tensor([3.0, 3.0, 8.0])
+    ben = research.bennett_spread(v, b)
+    assert bool((ben <= b + 1e-6).all())
+    # two-point variable (b with probability p, -v/b otherwise) attains it
+    p = v / (v + b * b)
+    two_point = torch.log(p * torch.exp(b) + (1 - p) * torch.exp(-v / b))
+    torch.testing.assert_close(ben, two_point)
+    pages, query, exact = _pages_and_exact(6)
+    summ = research.summarize_top_pc_bound(pages, 4, k=2)
+    for rule in ("max", "bennett"):
+        capped = research.top_pc_bound_logmass(query, summ, SCALE, 2, rule)
+        assert capped.shape == exact.shape
+        # the cap only ever lowers the bulk term; the bound itself is above the true bulk max
+        without_bound = torch.cat([summ[:, :, :4], summ[:, :, 5:]], 2)
+        plain = research.top_pc_logmass(query, without_bound, SCALE, 2)
+        assert bool((capped <= plain + 1e-5).all())
