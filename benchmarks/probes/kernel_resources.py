@@ -62,6 +62,8 @@ KERNEL_NAMES = (
 SUMMARY_KERNEL_NAMES = ("kernel_moira_write_summaries", "kernel_moira_estimate")
 #: The kernels that replace Attend and Merge under attend_schedule="pages".
 PAGE_SCHEDULE_KERNEL_NAMES = ("kernel_moira_attend_pages", "kernel_moira_merge_pages")
+#: refine="wide"'s kernel, between its two Selects.
+REFINE_KERNEL_NAMES = ("kernel_moira_refine",)
 #: Launch options of Triton's launcher, not kernel arguments.
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
 #: Per SM on sm_90 (H100 / H200).
@@ -111,7 +113,7 @@ def captured_launches(moira):
             return record
 
     # (--src trees from before the "pages" schedule have no such kernels.)
-    names = KERNEL_NAMES + PAGE_SCHEDULE_KERNEL_NAMES
+    names = KERNEL_NAMES + PAGE_SCHEDULE_KERNEL_NAMES + REFINE_KERNEL_NAMES
     originals = {name: getattr(moira, name) for name in names if hasattr(moira, name)}
     dependent = moira._dependent_launch
     try:
@@ -128,8 +130,8 @@ def captured_launches(moira):
 
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
                          num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
-                         attend_schedule: str | None = None,
-                         kv_cache_dtype: str = "auto") -> list:  # fmt: skip
+                         attend_schedule: str | None = None, kv_cache_dtype: str = "auto",
+                         refine: str | None = None) -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
     the kernels' specialization allows (a few KV blocks): only shapes the
@@ -138,6 +140,8 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     import torch
 
     schedule = {"attend_schedule": attend_schedule} if attend_schedule else {}
+    if refine:  # refine="wide": two Selects with the refine kernel between them
+        schedule["refine"] = refine
     config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **schedule)
     max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
     num_blocks = 16
@@ -307,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
+    ap.add_argument("--refine", default=None, help="MoiraConfig.refine (default: off)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     moira = _import_moira(a.src, a.triton_path)
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
                                     attend_schedule=a.attend_schedule,
-                                    kv_cache_dtype=a.kv_cache_dtype)  # fmt: skip
+                                    kv_cache_dtype=a.kv_cache_dtype, refine=a.refine)  # fmt: skip
     rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
@@ -342,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             "estimator": estimator,
             "summary_dtype": summary_dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
+            "refine": a.refine or "off",
             "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
             "same_summary_sum_layouts": same_summary_layouts,

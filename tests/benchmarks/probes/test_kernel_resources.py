@@ -169,3 +169,22 @@ def test_fp8_decode_step_launches_read_the_scales():
     assert fp8 == {"kernel_moira_write_summaries": True, "kernel_moira_estimate": True,
                    "kernel_moira_select": None, "kernel_moira_attend": True,
                    "kernel_moira_merge": None}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_refine_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """refine="wide": Select twice (statistics, then the lists) around
+    kernel_moira_refine, compiled for sm_90 without spills or GPU-wide fences."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--refine", "wide",
+           "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["refine"] == "wide"
+    kernels = [row["kernel"] for row in record["rows"]]
+    assert kernels[:3] == list(kr.KERNEL_NAMES[:3])
+    assert kernels[3:5] == ["kernel_moira_refine", "kernel_moira_select"]
+    for row in record["rows"]:
+        assert row["spill_bytes"] == 0 and row["gpu_fences"] == 0, row

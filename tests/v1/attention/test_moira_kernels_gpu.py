@@ -317,3 +317,63 @@ def test_summary_writer_warm_up_covers_every_prefill_slice(name):
         triton.knobs.runtime.jit_cache_hook = hook
     assert summaries[1:].ne(0).any()
     assert compiled == ["_kernel_fresh_for_the_hook"], compiled
+
+
+# refine="wide" (Estimate's second stage). Queries at 3x unit scale: x^2 . sigma^2
+# of random pages is then about 9, above the wide threshold for some pages.
+@pytest.fixture(scope="module")
+def wide_case():
+    from benchmarks import moira_correctness as mc
+
+    case = mc.build_case(4, 32768)
+    case["query"].mul_(3.0)
+    return case
+
+
+def test_refine_log_masses_and_lists_equal_reference(wide_case):
+    import math
+
+    from vllm.v1.attention.backends import moira
+
+    from benchmarks import moira_correctness as mc
+    from vllm_moira.v1.attention.ops import moira_reference as ref
+
+    estimator = moira.MOIRA_DEFAULT_ESTIMATOR
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
+    _, ws = mc.run_moira(wide_case, config)
+    kv = wide_case["kv"].cpu()
+    summaries = ref.read_summaries(wide_case["summaries"].cpu())
+    refined = mismatched = pages = 0
+    for row in range(2):  # the reference is slow at 32k: two rows
+        seq_len = wide_case["seq_lens"][row]
+        n = math.ceil(seq_len / 64)
+        query, table = wide_case["query"][row].cpu(), wide_case["table"][row].cpu()
+        est = ref.estimate_row_logmass(query, kv, summaries, table, seq_len, mc.SCALE, estimator)
+        want, mask = ref.refine_row_logmass(query, kv, summaries, table, seq_len, mc.SCALE, est,
+                                            0.98, estimator)  # fmt: skip
+        got = ws.logmass[row, :, :, :n].cpu()
+        refined += int(mask.sum())
+        # Pages at the band's or the wide test's edge may go either way (summation order).
+        mismatched += int(((got - want).abs() > 1e-2).any(dim=1).sum())
+        pages += mask.numel()
+    assert refined > 0
+    assert mismatched <= max(2, pages // 200), (mismatched, pages)
+    # The second Select's lists are the coverage rule on the refined log-masses.
+    batch = wide_case["query"].shape[0]
+    for row in range(batch):
+        n = math.ceil(wide_case["seq_lens"][row] / 64)
+        pibar = ref.group_mean_shares(ws.logmass[row, :, :, :n].cpu())
+        for h in range(mc.HKV):
+            got = ws.page_list[row, h, : int(ws.page_count[row, h])].cpu()
+            expected = ref.select_pages(pibar[h], gamma=0.98)
+            assert got.tolist() == expected.tolist() or mc.is_near_tie(got, pibar[h], 0.98)
+
+
+def test_refine_graph_replay_equals_eager_bitwise(wide_case):
+    from vllm.v1.attention.backends import moira
+
+    from benchmarks import moira_correctness as mc
+
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
+    for name, result in mc.check_graph_replay(wide_case, config=config).items():
+        assert result["bitwise_equal"] and result["lists_equal"], name

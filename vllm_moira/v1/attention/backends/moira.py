@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import weakref
 from collections.abc import Mapping
@@ -97,6 +98,14 @@ MOIRA_ATTEND_SCHEDULES = ("lists", "pages")
 #: Estimate and Select skipping the rows. "fa3": vLLM's FA3 decode in FULL
 #: CUDA graphs of its own (vLLM patch 0006), plus the summary writer.
 MOIRA_DENSE_STEPS = ("moira", "fa3")
+#: Estimate's optional second stage (docs/estimator.md, "Spread-gated refinement"):
+#: "off", or "wide": the exact log-mass of each page whose estimated share is at most
+#: REFINE_BELOW_NATS under Select's threshold (or above it) and whose spread term is
+#: large (REFINE_WIDE_FACTOR), then Select again (coverage rule only).
+MOIRA_REFINE_MODES = ("off", "wide")
+#: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
+REFINE_BELOW_NATS = 3.0
+REFINE_WIDE_FACTOR = 0.75
 #: Page-mass estimator -> r, the keys stored exactly per page and KV head
 #: (docs/estimator.md). "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2 with the
 #: random-energy-model spread term; "mvar_top{r}": the r keys farthest from
@@ -218,6 +227,9 @@ class MoiraConfig:
     #: Storage of the summaries (one of MOIRA_SUMMARY_DTYPES); fixed when the
     #: KV cache is allocated, like the estimator.
     summary_dtype: str = MOIRA_DEFAULT_SUMMARY_DTYPE
+    #: One of MOIRA_REFINE_MODES: Estimate's second stage (exact masses for the
+    #: wide pages near the threshold; coverage rule only).
+    refine: str = "off"
 
     @classmethod
     def paper(cls, **changes: Any) -> MoiraConfig:
@@ -301,6 +313,11 @@ class MoiraConfig:
                 f"Moira: {n('summary_dtype')} must be one of {MOIRA_SUMMARY_DTYPES} "
                 f"(default {MOIRA_DEFAULT_SUMMARY_DTYPE!r}), got {self.summary_dtype!r}"
             )
+        if self.refine not in MOIRA_REFINE_MODES:
+            raise ValueError(
+                f"Moira: {n('refine')} must be one of {MOIRA_REFINE_MODES} (default 'off'), "
+                f"got {self.refine!r}"
+            )
 
     @property
     def summary_slots(self) -> int:
@@ -353,6 +370,7 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
     "MOIRA_DENSE_STEPS": ("dense_steps", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
+    "MOIRA_REFINE": ("refine", str),
 }
 
 
@@ -1473,8 +1491,14 @@ def _select_row(
     LANES: tl.constexpr,
     LANE_PASSES: tl.constexpr,
     HAS_LIST_PAGES: tl.constexpr,
+    stats=None,  # this row's Select statistics (if STORE_STATS): [1 + 2 * GROUP_ROWS] fp32
+    STORE_STATS: tl.constexpr = False,
 ):
     # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
+    # STORE_STATS (the first Select of refine="wide"): no list; instead the
+    # threshold (the smallest kept middle share, inf when nothing is to be
+    # refined) and each query head's softmax peak and 1 / (G denominator), so
+    # kernel_moira_refine can recompute any page's pibar bit for bit.
     # LANES > 1 (one tile, K_B = LANES, LANE_PASSES = 24 / log2 K_B): the
     # K_B - 1 thresholds of a pass are summed in one 2D reduction; LANES == 1:
     # one reduction per threshold, K_B = 8 / 4 / 2 by the row's length.
@@ -1609,7 +1633,36 @@ def _select_row(
         # Band pages to skip (the oldest ones) so that exactly K - 2 are kept.
         n_skip = (n_band - (target - n_above)).to(tl.int32)
 
-    # Pass 4: compaction into the row's list, in page order.
+    if STORE_STATS:
+        tau = float("inf")
+        for t in tl.static_range(NUM_TILES):
+            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+            middle = (pages > 0) & (pages < last)
+            if NUM_TILES == 1:
+                pib = tile_pibar
+            else:
+                pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+            tau = tl.minimum(tau, tl.min(tl.where(middle & (pib >= lo), pib, float("inf")), axis=0))
+        # Fixed count and gamma >= 1 refine nothing (the reference's rule).
+        tau = tl.where(by_count | keep_all, float("inf"), tau)
+        tl.store(stats, tau)
+        tl.store(stats + 1 + offs_g, safe_peak)
+        tl.store(stats + 1 + GROUP_ROWS + offs_g, inv_denom)
+    else:
+        _compact_list(
+            pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, list_pages_ptr, lo, hi,
+            exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_LIST_PAGES,
+        )  # fmt: skip
+
+
+@triton.jit
+def _compact_list(
+    pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, list_pages_ptr, lo, hi, exact_count,
+    n_skip, num_pages, TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr,
+    HAS_LIST_PAGES: tl.constexpr,
+):  # fmt: skip
+    # Pass 4 of _select_row: compaction into the row's list, in page order.
+    last = num_pages - 1
     tl.store(out, 0)
     n_kept = 1
     band_seen = tl.full([], 0, tl.int32)
@@ -1650,6 +1703,7 @@ def kernel_moira_select(
     selector_ptr,  # [4] fp32: gamma, fixed K (0 = off), fixed fraction (0 = off),
     # dense batch pages (0 = off)
     row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
+    select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * GROUP_ROWS] fp32 (out, if STORE_STATS)
     stride_lm_row: tl.int64,
     stride_lm_head: tl.int64,
     stride_lm_group: tl.int64,
@@ -1658,6 +1712,8 @@ def kernel_moira_select(
     stride_pl_row: tl.int64,
     stride_pl_head: tl.int64,
     stride_pc_row: tl.int64,
+    stride_st_row: tl.int64,
+    stride_st_head: tl.int64,
     GROUP_SIZE: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
     TILE_PAGES: tl.constexpr,
@@ -1668,9 +1724,12 @@ def kernel_moira_select(
     PAGE_SIZE: tl.constexpr,
     HAS_ROW_GAMMA: tl.constexpr,
     HAS_LIST_PAGES: tl.constexpr = False,
+    STORE_STATS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
+    # STORE_STATS: the first of refine="wide"'s two Selects (_select_row):
+    # statistics instead of the list, nothing counted.
     # One program per (row, KV head). Writes the row's page list (logical
     # page indices in page order, sink first, current page last) and its
     # length, the only things Attend reads. The selector's parameters are
@@ -1696,6 +1755,12 @@ def kernel_moira_select(
     dense_row = _is_dense_row(num_pages, selector_ptr)
     _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     count_ptr = page_count_ptr + row * stride_pc_row + head
+    stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
+    if STORE_STATS:  # noqa: SIM102
+        # Empty and dense rows: nothing to refine (their lists: the second Select).
+        if (num_pages == 0) | dense_row:
+            tl.store(stats, float("inf"))
+            return
     if num_pages == 0:
         tl.store(count_ptr, 0)
         return
@@ -1715,19 +1780,19 @@ def kernel_moira_select(
             _select_row(
                 lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
-                HAS_LIST_PAGES,
+                HAS_LIST_PAGES, stats, STORE_STATS,
             )  # fmt: skip
         else:
             _select_row(
                 lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
-                LONG_LANES, LONG_LANE_PASSES, HAS_LIST_PAGES,
+                LONG_LANES, LONG_LANE_PASSES, HAS_LIST_PAGES, stats, STORE_STATS,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
             lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
             num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
-            HAS_LIST_PAGES,
+            HAS_LIST_PAGES, stats, STORE_STATS,
         )  # fmt: skip
 
 
@@ -1743,8 +1808,14 @@ def select_pages(
     read_stats: torch.Tensor,
     row_gamma: torch.Tensor | None = None,
     list_pages: torch.Tensor | None = None,
+    select_stats: torch.Tensor | None = None,
 ) -> None:
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
+
+    ``select_stats`` (fp32 ``[max_rows, H_kv, 1 + 2 * GROUP_ROWS]``,
+    ``MoiraWorkspace.select_stats``): the first Select of ``refine="wide"``;
+    writes each list's threshold and softmax statistics for ``refine_page_logmass``
+    instead of the lists, and counts nothing.
 
     ``selector_params`` is the fp32 ``[4]`` device tensor of
     ``MoiraWorkspace`` (gamma, K, fraction, dense batch pages). ``row_gamma`` (fp32, at least
@@ -1775,6 +1846,8 @@ def select_pages(
         selector_params,
         # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
         selector_params if row_gamma is None else row_gamma,
+        # Unwritten when STORE_STATS is False.
+        pibar if select_stats is None else select_stats,
         logmass.stride(0),
         logmass.stride(1),
         logmass.stride(2),
@@ -1783,6 +1856,8 @@ def select_pages(
         page_list.stride(0),
         page_list.stride(1),
         page_count.stride(0),
+        0 if select_stats is None else select_stats.stride(0),
+        0 if select_stats is None else select_stats.stride(1),
         GROUP_SIZE=group_size,
         GROUP_ROWS=triton.next_power_of_2(group_size),
         TILE_PAGES=tile_pages,
@@ -1793,8 +1868,211 @@ def select_pages(
         LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
-        HAS_LIST_PAGES=list_pages is not None,
+        HAS_LIST_PAGES=list_pages is not None and select_stats is None,
+        STORE_STATS=select_stats is not None,
         num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
+        **_dependent_launch(),
+    )
+
+
+# ==========================================================================
+# Refine (not in the paper): Estimate's second stage, refine="wide"
+# ==========================================================================
+# Pages per refine program: the candidate test is one [G, pages] tile.
+_REFINE_TILE_PAGES = 64
+
+
+@triton.jit(do_not_specialize=["below_factor", "wide_min_v"])
+def kernel_moira_refine(
+    query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
+    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
+    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
+    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
+    block_table_ptr,  # [num_rows, max_blocks] int32
+    seq_lens_ptr,  # [num_rows] int32
+    logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (in and out)
+    select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * STATS_ROWS] fp32 (the first Select's)
+    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
+    scale,
+    below_factor,  # e^-REFINE_BELOW_NATS
+    wide_min_v,  # REFINE_WIDE_FACTOR * 2 ln(PAGE_SIZE - NUM_TOP)
+    stride_q_row: tl.int64,
+    stride_q_head: tl.int64,
+    stride_kv_block: tl.int64,
+    stride_kv_head: tl.int64,
+    stride_kv_token: tl.int64,
+    stride_sum_block: tl.int64,
+    stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64,
+    stride_scale_head: tl.int64,
+    stride_bt_row: tl.int64,
+    stride_lm_row: tl.int64,
+    stride_lm_head: tl.int64,
+    stride_lm_group: tl.int64,
+    stride_st_row: tl.int64,
+    stride_st_head: tl.int64,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    STATS_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    TILE_PAGES: tl.constexpr,
+    NUM_TOP: tl.constexpr,
+    INT8: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False,
+):
+    # Programs (row, KV head, tile of TILE_PAGES pages). A middle page is
+    # refined when (1) its pibar, recomputed from the stage-1 log-masses and
+    # the first Select's softmax statistics, is at least tau e^-below (tau:
+    # the smallest share that Select kept), and (2) its group-mean spread
+    # x^2 . sigma^2 (the summary's variance slot) is at least wide_min_v:
+    # the pages whose spread term can over-estimate them past a needle page
+    # (docs/estimator.md). Its log-mass is then replaced by the exact one,
+    # from its 64 keys; the second Select runs on the result. Each program
+    # reads and writes only its own pages' log-masses.
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
+    if tile * TILE_PAGES >= num_pages:
+        return
+    stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
+    tau = tl.load(stats)
+    if tau == float("inf"):  # dense, empty, fixed-count or gamma >= 1 rows
+        return
+    offs_s = tl.arange(0, STATS_ROWS)
+    peak = tl.load(stats + 1 + offs_s)
+    inv_denom = tl.load(stats + 1 + STATS_ROWS + offs_s)
+    offs_t = tl.arange(0, TILE_PAGES)
+    pages = tile * TILE_PAGES + offs_t
+    middle = (pages > 0) & (pages < num_pages - 1)
+    lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
+    x = tl.load(
+        lm + offs_s[:, None] * stride_lm_group + pages[None, :],
+        mask=(offs_s < GROUP_SIZE)[:, None] & middle[None, :],
+        other=float("-inf"),
+    )
+    # The same expression as _select_row's pass 2: the same pibar.
+    pib = tl.sum(tl.exp(x - peak[:, None]) * inv_denom[:, None], axis=0)
+    candidate = middle & (pib >= tau * below_factor)
+    if tl.sum(candidate.to(tl.int32), axis=0) == 0:
+        return
+    bt_row = block_table_ptr + row * stride_bt_row
+    offs_d = tl.arange(0, HEAD_SIZE)
+    blocks = tl.load(bt_row + pages, mask=candidate, other=0).to(tl.int64)
+    var = tl.load(
+        summaries_ptr
+        + blocks[:, None] * stride_sum_block
+        + head * stride_sum_head
+        + HEAD_SIZE
+        + offs_d[None, :],
+        mask=candidate[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if INT8:
+        var_scale = tl.load(
+            scales_ptr + blocks * stride_scale_block + head * stride_scale_head + 1,
+            mask=candidate,
+            other=0.0,
+        )
+        var = var * var_scale[:, None]
+    offs_g = tl.arange(0, GROUP_ROWS)
+    mask_g = offs_g < GROUP_SIZE
+    q = tl.load(
+        query_ptr
+        + row * stride_q_row
+        + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
+        + offs_d[None, :],
+        mask=mask_g[:, None],
+        other=0.0,
+    )
+    xq = q.to(tl.float32) * scale
+    # fp32 products (ieee: no tf32 rounding), as the reference's v.
+    v = tl.dot(var, tl.trans(xq * xq), input_precision="ieee")  # [TILE_PAGES, GROUP_ROWS]
+    v_mean = tl.sum(tl.where(mask_g[None, :], v, 0.0), axis=1) / GROUP_SIZE
+    refine = candidate & (v_mean >= wide_min_v)
+    k_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+    for i in range(TILE_PAGES):
+        if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
+            page = tile * TILE_PAGES + i
+            block = tl.load(bt_row + page).to(tl.int64)
+            exact = _exact_page_logmass(
+                q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
+                stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE,
+                KV_FP8,
+            )  # fmt: skip
+            tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
+
+
+def refine_page_logmass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    logmass: torch.Tensor,
+    select_stats: torch.Tensor,
+    scale: float,
+    estimator: str,
+    k_scale: torch.Tensor | None = None,
+) -> None:
+    """refine="wide": overwrite ``logmass`` of the pages kernel_moira_refine picks
+    with their exact log-mass. ``select_stats`` is the first Select's
+    (``select_pages(..., select_stats=...)``) on the same log-masses."""
+    kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
+    num_top = estimator_num_top(estimator)
+    num_rows, num_q_heads, head_size = query.shape
+    _, scales = _summary_layout(summaries)
+    num_kv_heads = kv_cache.shape[1]
+    group_size = num_q_heads // num_kv_heads
+    stats_rows = triton.next_power_of_2(group_size)
+    assert select_stats.shape[-1] == 1 + 2 * stats_rows
+    max_pages = min(block_table.shape[1], logmass.shape[-1])
+    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, _REFINE_TILE_PAGES))
+    kernel_moira_refine[grid](
+        query,
+        kv_cache,
+        summaries,
+        scales,
+        block_table,
+        seq_lens,
+        logmass,
+        select_stats,
+        k_scale_arg,
+        scale,
+        math.exp(-REFINE_BELOW_NATS),
+        REFINE_WIDE_FACTOR * 2.0 * math.log(MOIRA_PAGE_SIZE - num_top),
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        summaries.stride(0),
+        summaries.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        block_table.stride(0),
+        logmass.stride(0),
+        logmass.stride(1),
+        logmass.stride(2),
+        select_stats.stride(0),
+        select_stats.stride(1),
+        GROUP_SIZE=group_size,
+        GROUP_ROWS=_group_rows(group_size),
+        STATS_ROWS=stats_rows,
+        HEAD_SIZE=head_size,
+        PAGE_SIZE=MOIRA_PAGE_SIZE,
+        TILE_PAGES=_REFINE_TILE_PAGES,
+        NUM_TOP=num_top,
+        INT8=summaries.dtype == torch.int8,
+        KV_FP8=kv_fp8,
+        num_warps=4,
         **_dependent_launch(),
     )
 
@@ -2467,6 +2745,14 @@ class MoiraWorkspace:
         #: every step (set_row_gamma), outside the captured graph, and Select
         #: reads it on the device, so FULL graphs replay with each step's values.
         self.row_gamma = torch.zeros(max_num_seqs, dtype=f32, device=device)
+        #: refine="wide": the first Select's threshold and softmax statistics per
+        #: list (select_pages' select_stats), read by kernel_moira_refine.
+        self.select_stats: torch.Tensor | None = None
+        if config.refine == "wide":
+            stats_width = 1 + 2 * triton.next_power_of_2(group_size)
+            self.select_stats = torch.empty(
+                max_num_seqs, num_kv_heads, stats_width, dtype=f32, device=device
+            )
         _LIVE_WORKSPACES.add(self)
 
     def set_selector(self, config: MoiraConfig) -> None:
@@ -2485,6 +2771,7 @@ class MoiraWorkspace:
             "attend_schedule",
             "estimator",
             "summary_dtype",
+            "refine",
         )
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed_fields):
             raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
@@ -2528,7 +2815,8 @@ class MoiraWorkspace:
             self.selector_params,
             self.row_gamma,
         )
-        return sum(t.numel() * t.element_size() for t in tensors)
+        extra = () if self.select_stats is None else (self.select_stats,)
+        return sum(t.numel() * t.element_size() for t in (*tensors, *extra))
 
 
 def moira_workspace_bytes(
@@ -2598,6 +2886,25 @@ def estimate_and_select(
         write_filled_pages=write_filled_pages,
         k_scale=k_scale,
     )
+    if workspace.select_stats is not None:
+        # refine="wide": Select once for the threshold, refine, then the real Select.
+        select_pages(
+            workspace.logmass,
+            seq_lens,
+            workspace.pibar,
+            workspace.page_list,
+            workspace.page_count,
+            workspace.selector_params,
+            num_rows,
+            max_pages,
+            workspace.read_stats,
+            row_gamma=workspace.row_gamma,
+            select_stats=workspace.select_stats,
+        )
+        refine_page_logmass(
+            query, kv_cache, summaries, block_table, seq_lens, workspace.logmass,
+            workspace.select_stats, scale, workspace.config.estimator, k_scale,
+        )  # fmt: skip
     select_pages(
         workspace.logmass,
         seq_lens,

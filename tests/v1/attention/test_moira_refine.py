@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""refine="wide" (Estimate's second stage): kernels against the float32 reference
+(CPU interpreter), and the config that turns it on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.v1.attention.moira_test_utils import make_decode_batch
+from vllm_moira.v1.attention.backends import moira
+from vllm_moira.v1.attention.ops import moira_reference as ref
+
+SMALL_SPLITS = dict(
+    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
+)
+SCALE = 0.125  # head size 64
+SEQ_LENS = [64 * 12, 64 * 9 + 5, 100, 1]
+
+
+def _refined_mask(query, kv, summaries, table, seq, gamma, estimator):
+    """The reference's refined pages of every row: [B] of [H_kv, n] bool."""
+    fp32_summaries = ref.read_summaries(summaries)
+    masks = []
+    for b, seq_len in enumerate(seq.tolist()):
+        if seq_len == 0:
+            masks.append(None)
+            continue
+        est = ref.estimate_row_logmass(query[b], kv, fp32_summaries, table[b], seq_len, SCALE,
+                                       estimator)  # fmt: skip
+        _, mask = ref.refine_row_logmass(query[b], kv, fp32_summaries, table[b], seq_len, SCALE,
+                                         est, gamma, estimator)  # fmt: skip
+        masks.append(mask)
+    return masks
+
+
+def _run(config, batch):
+    kv, summaries, table, seq, query = batch
+    group = query.shape[1] // kv.shape[1]
+    ws = moira.MoiraWorkspace(len(SEQ_LENS), kv.shape[1] * group, kv.shape[1], 64,
+                              table.shape[1], config, "cpu")  # fmt: skip
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
+    return ws, out
+
+
+@pytest.mark.parametrize(
+    ("estimator", "summary_dtype", "group", "pattern", "gamma"),
+    [
+        (moira.MOIRA_DEFAULT_ESTIMATOR, "int8", 3, "concentrated", 0.98),
+        (moira.MOIRA_DEFAULT_ESTIMATOR, "bfloat16", 4, "outlier", 0.95),
+        ("mvar", "bfloat16", 3, "concentrated", 0.95),
+    ],
+)
+def test_refine_lists_and_output_equal_reference(estimator, summary_dtype, group, pattern, gamma):
+    # query_scale 3: x^2 . sigma^2 of random pages is about 9, so some pages are wide.
+    batch = make_decode_batch(SEQ_LENS, 2, group, 64, "token_major", estimator, pattern, seed=1,
+                              query_scale=3.0, summary_dtype=summary_dtype)  # fmt: skip
+    kv, summaries, table, seq, query = batch
+    masks = _refined_mask(query, kv, summaries, table, seq, gamma, estimator)
+    refined = sum(int(m.sum()) for m in masks if m is not None)
+    candidates = sum(m[:, 1:-1].numel() for m in masks if m is not None)
+    assert 0 < refined < candidates  # the case refines some pages, not all
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
+                                     refine="wide", **SMALL_SPLITS)  # fmt: skip
+    ws, out = _run(config, batch)
+    fp32_summaries = ref.read_summaries(summaries)
+    expected, lists = ref.sparse_decode(query, kv, fp32_summaries, table, seq, SCALE, gamma,
+                                        estimator=estimator, refine="wide")  # fmt: skip
+    for row in range(len(SEQ_LENS)):
+        for h in range(2):
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
+
+
+def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
+    estimator = moira.MOIRA_DEFAULT_ESTIMATOR
+    batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "head_major", estimator, "concentrated",
+                              seed=2, query_scale=3.0, summary_dtype="int8")  # fmt: skip
+    kv, summaries, table, seq, query = batch
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
+    ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+    moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+    fp32_summaries = ref.read_summaries(summaries)
+    masks = _refined_mask(query, kv, summaries, table, seq, 0.98, estimator)
+    seen = 0
+    for b, seq_len in enumerate(seq.tolist()):
+        n = ref.num_pages(seq_len)
+        est = ref.estimate_row_logmass(query[b], kv, fp32_summaries, table[b], seq_len, SCALE,
+                                       estimator)  # fmt: skip
+        keys, _ = ref.row_keys_values(kv, table[b], seq_len)
+        exact = ref.exact_page_logmass(query[b], keys, seq_len, SCALE)
+        want = torch.where(masks[b].unsqueeze(1), exact, est)
+        torch.testing.assert_close(ws.logmass[b, :, :, :n], want, atol=2e-3, rtol=1e-4)
+        seen += int(masks[b].sum())
+    assert seen > 0
+
+
+@pytest.mark.parametrize("change", [dict(gamma=1.0), dict(selector="fixed", fixed_pages=3)])
+def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change):
+    batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
+                              "concentrated", seed=3, query_scale=3.0)  # fmt: skip
+    base = moira.MoiraConfig.paper(**change, **SMALL_SPLITS)
+    ws_off, out_off = _run(base, batch)
+    ws_on, out_on = _run(moira.MoiraConfig.paper(**change, refine="wide", **SMALL_SPLITS), batch)
+    assert torch.equal(ws_on.page_count, ws_off.page_count)
+    for row in range(len(SEQ_LENS)):
+        for h in range(2):
+            count = int(ws_on.page_count[row, h])
+            assert torch.equal(ws_on.page_list[row, h, :count], ws_off.page_list[row, h, :count])
+    assert torch.equal(out_on, out_off)
+
+
+def test_refine_counts_each_list_once():
+    batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
+                              "concentrated", seed=4, query_scale=3.0)  # fmt: skip
+    ws, _ = _run(moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS), batch)
+    kept, total = ws.read_counts()
+    assert total == 2 * sum(ref.num_pages(s) for s in SEQ_LENS)
+    assert kept == int(ws.page_count[: len(SEQ_LENS)].sum())
+    assert int(ws.list_pages) == kept
+
+
+def test_refine_config_and_constants():
+    assert moira.REFINE_BELOW_NATS == ref.REFINE_BELOW_NATS
+    assert moira.REFINE_WIDE_FACTOR == ref.REFINE_WIDE_FACTOR
+    assert moira.MOIRA_REFINE_MODES == ref.REFINE_MODES
+    assert moira.MoiraConfig().refine == "off"
+    assert moira.moira_config_from_env({"MOIRA_REFINE": "wide"}).refine == "wide"
+    with pytest.raises(ValueError, match=r"MOIRA_REFINE must be one of \('off', 'wide'\)"):
+        moira.moira_config_from_env({"MOIRA_REFINE": "exact"})
+    ws = moira.MoiraWorkspace(2, 6, 2, 64, 8, moira.MoiraConfig(refine="wide"), "meta")
+    assert ws.select_stats is not None and ws.select_stats.shape == (2, 2, 1 + 2 * 4)
+    off = moira.MoiraWorkspace(2, 6, 2, 64, 8, moira.MoiraConfig(), "meta")
+    assert off.select_stats is None and ws.nbytes() == off.nbytes() + 2 * 2 * 9 * 4
+    with pytest.raises(ValueError, match="set_selector cannot change"):
+        off.set_selector(moira.MoiraConfig(refine="wide"))
+
+
+def test_wide_threshold_is_relative_to_rem_critical_variance():
+    summ = torch.zeros(3, 1, 10, 4)
+    summ[:, 0, 1] = torch.tensor([[1.0, 0, 0, 0], [2.0, 0, 0, 0], [3.0, 0, 0, 0]])
+    query = torch.tensor([[2.0, 0, 0, 0]])  # x^2 = 4: v = 4, 8, 12
+    wide = ref.wide_pages(query, summ, 1.0, num_top=8)
+    critical = 0.75 * 2 * math.log(56)  # 6.04
+    assert wide.tolist() == [[v >= critical for v in (4.0, 8.0, 12.0)]]
