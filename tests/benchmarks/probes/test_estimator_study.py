@@ -193,3 +193,41 @@ def test_heat_maps_of_another_model_do_not_overwrite_smollm2s(tmp_path, monkeypa
         "kept_fraction_oracle_g098.png",
         "kept_fraction_qwen2.5-coder-1.5b_oracle_g098.png",
     ]
+
+
+def test_gated_family_at_the_shipped_constants_is_the_reference_refine():
+    """``2v/<s1>/oracle/3/0.75`` in the study is what ``refine="wide"`` ships
+    (``ref.refine_row_logmass``): same refined pages, same log-masses."""
+    torch = pytest.importorskip("torch")
+    from vllm_moira.v1.attention.ops import moira_reference as ref
+
+    research = load("probes.research_estimators")
+    gen = torch.Generator().manual_seed(5)
+    h_kv, group, d, seq = 2, 3, 64, 64 * 20 + 7
+    n = ref.num_pages(seq)
+    keys = torch.randn(h_kv, seq, d, generator=gen)
+    query = 3.0 * torch.randn(h_kv * group, d, generator=gen)
+    pages = keys[:, : (seq // 64) * 64].reshape(h_kv, seq // 64, 64, d).transpose(0, 1)
+    summ = ref.summarize_key_pages_top(pages, 8)
+    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)
+    exact = ref.exact_page_logmass(query, keys, seq, d**-0.5)
+    est = ref.top_page_logmass(query, summ[idx], d**-0.5)
+    est[..., 0], est[..., n - 1] = exact[..., 0], exact[..., n - 1]
+    # the study's 2v: refine_band (below 3, above inf) & v >= 0.75 * 2 ln 56
+    x = query.view(h_kv, group, d) * d**-0.5
+    v = torch.einsum("hgd,nhd->hgn", x * x, summ[idx, :, 1]).mean(dim=1)
+    wide = v >= 0.75 * 2.0 * math.log(56)
+    study_est, study_mask = research.two_stage_logmass(est, exact, 0.98, 3.0, math.inf, wide)
+    # the reference, on a paged cache holding the same keys
+    kv = torch.zeros(n, h_kv, 64, 2 * d)
+    for p in range(n):
+        t = keys[:, p * 64 : min((p + 1) * 64, seq)]
+        kv[p, :, : t.shape[1], :d] = t
+    table = torch.arange(n, dtype=torch.int32)
+    summaries = torch.zeros(n, h_kv, 10, d)
+    summaries[: summ.shape[0]] = summ
+    ref_est, ref_mask = ref.refine_row_logmass(query, kv, summaries, table, seq, d**-0.5, est,
+                                               0.98, "mvar_top8")  # fmt: skip
+    assert bool(ref_mask.any()) and not bool(ref_mask.all())
+    assert torch.equal(ref_mask, study_mask)
+    torch.testing.assert_close(ref_est, study_est)
