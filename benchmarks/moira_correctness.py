@@ -72,9 +72,11 @@ SCALE = D**-0.5
 # Cases
 # --------------------------------------------------------------------------
 def build_case(batch, context, layout="token_major", pattern="concentrated", seed=0,
-               ragged=True, kv_cache_dtype="auto"):  # fmt: skip
+               ragged=True, kv_cache_dtype="auto", query_scale=1.0):  # fmt: skip
     """A decode batch; ``kv_cache_dtype="fp8"``: its cache quantized to e4m3
-    with per-layer scales (``case["scales"]``, the kernels' k_scale / v_scale)."""
+    with per-layer scales (``case["scales"]``, the kernels' k_scale / v_scale).
+    ``query_scale``: the queries times this (3: x^2 . sigma^2 of a random page about 9,
+    so that refine="wide" has wide pages to refine)."""
     if kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -86,7 +88,7 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
     torch.manual_seed(seed)
     kv = make_kv_cache(num_blocks, HKV, D, layout, device="cuda")
     table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen, device="cuda")
-    query = torch.randn(batch, HQ, D, device="cuda").to(torch.bfloat16)
+    query = (torch.randn(batch, HQ, D, device="cuda") * query_scale).to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
     scales = {}
     if kv_cache_dtype == "fp8":
@@ -122,9 +124,15 @@ def reference_cache(case):
 
 
 def split_summary_dtype(name):
-    """``"int8:mvar_top4"`` -> ``("mvar_top4", "int8")``; a plain estimator -> bf16."""
-    estimator, storage = ref.parse_stored_estimator(name)
+    """``"int8:mvar_top4"`` -> ``("mvar_top4", "int8")``; a plain estimator -> bf16. A
+    ``+wide`` suffix (``refine_of``) is not part of the summaries' name."""
+    estimator, storage = ref.parse_stored_estimator(name.removesuffix("+wide"))
     return estimator, storage or "bfloat16"
+
+
+def refine_of(name):
+    """``"int8:mvar_top8+wide"`` -> ``"wide"`` (MoiraConfig.refine); no suffix -> ``"off"``."""
+    return "wide" if name.endswith("+wide") else "off"
 
 
 def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
@@ -141,11 +149,12 @@ def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
 def estimator_case(case, name):
     """The case with the summaries of ``name`` (an estimator, ``int8:`` for int8
     summaries; same cache, queries, rows)."""
-    if name == case.get("estimator", moira.MoiraConfig().estimator):
+    summary_name = name.removesuffix("+wide")
+    if summary_name == case.get("estimator", moira.MoiraConfig().estimator):
         return case
     estimator, summary_dtype = split_summary_dtype(name)
     summaries = write_summaries(case["kv"], estimator, summary_dtype, k_scale_of(case))
-    return dict(case, summaries=summaries, estimator=name)
+    return dict(case, summaries=summaries, estimator=summary_name)
 
 
 def workspace(case, config):
@@ -373,8 +382,11 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     (``rows_equal``; ``rows_near_tie``: differences explained by summation order at the
     coverage target, see ``is_near_tie``), Estimate's log-masses vs the reference on
     ``estimate_rows`` rows, and the sparse output vs float32 attention over the same lists."""
-    estimator, summary_dtype = split_summary_dtype(estimator or moira.MoiraConfig().estimator)
-    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
+    name = estimator or moira.MoiraConfig().estimator
+    estimator, summary_dtype = split_summary_dtype(name)
+    refine = refine_of(name)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
+                                     refine=refine)  # fmt: skip
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
@@ -400,20 +412,41 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         lists.append(row_lists)
     est_err = 0.0
     sparse_err = 0.0
+    refined = refine_disagreements = middle_pages = 0
     for row in range(min(estimate_rows, batch)):
         seq_len = case["seq_lens"][row]
         n = math.ceil(seq_len / PAGE)
+        fp32_summaries = ref.read_summaries(case["summaries"])
         expected = ref.estimate_row_logmass(
-            case["query"][row], reference_cache(case), ref.read_summaries(case["summaries"]),
-            case["table"][row], seq_len, SCALE, estimator).cpu()  # fmt: skip
-        est_err = max(est_err, float((logmass[row, :, :, :n] - expected).abs().max()))
+            case["query"][row], reference_cache(case), fp32_summaries,
+            case["table"][row], seq_len, SCALE, estimator)  # fmt: skip
+        diff = (logmass[row, :, :, :n] - expected.cpu()).abs()
+        if refine == "wide":
+            expected, mask = ref.refine_row_logmass(
+                case["query"][row], reference_cache(case), fp32_summaries, case["table"][row],
+                seq_len, SCALE, expected, gamma, estimator)  # fmt: skip
+            diff = (logmass[row, :, :, :n] - expected.cpu()).abs()
+            # A page at the band's or the wide test's edge may be refined on one side only
+            # (summation order): counted, and left out of the estimate's error.
+            disagree = diff.amax(dim=1) > 1e-2
+            refine_disagreements += int(disagree.sum())
+            diff = diff.masked_fill(disagree.unsqueeze(1), 0.0)
+            refined += int(mask.sum())
+            middle_pages += mask.shape[0] * max(n - 2, 0)
+        est_err = max(est_err, float(diff.max()))
         keys, values = ref.row_keys_values(reference_cache(case), case["table"][row], seq_len)
         sparse = ref.attend_pages(case["query"][row], keys, values, lists[row],
                                   seq_len, SCALE)[0]  # fmt: skip
         sparse_err = max(sparse_err, float((out[row].float() - sparse).abs().max()))
+    extra = {}
+    if refine == "wide":
+        extra = {"refined_fraction_reference": refined / max(middle_pages, 1),
+                 "refine_disagreements": refine_disagreements}  # fmt: skip
     return {
         "estimator": estimator,
         "summary_dtype": summary_dtype,
+        "refine": refine,
+        **extra,
         "gamma": gamma,
         "rows_checked": rows_checked,
         "rows_equal": rows_equal,
@@ -477,16 +510,20 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     ``sweep_launch``: also Estimate under every ESTIMATE_LAUNCH candidate, each
     checked against the default's log-masses."""
     estimator, summary_dtype = split_summary_dtype(name)
+    refine = refine_of(name)
     batch = case["query"].shape[0]
-    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
+                                     refine=refine)  # fmt: skip
     ws = workspace(case, config)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
     k_scale = k_scale_of(case)
-    row = {"estimator": estimator, "summary_dtype": summary_dtype,
+    row = {"estimator": estimator, "summary_dtype": summary_dtype, "refine": refine,
            "summary_slots": moira.summary_slots(estimator)}  # fmt: skip
     row["estimate_select_us"] = graph_time_us(
         lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
     )
+    if refine == "wide":
+        row["refined_fraction"] = refined_fraction(case, ws, estimator, k_scale)
     row["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
     )
@@ -523,6 +560,24 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     )
     row["blocks"] = int(summaries.shape[0])
     return row
+
+
+def refined_fraction(case, ws, estimator, k_scale):
+    """Share of the middle pages whose log-mass refine="wide" replaced in one step:
+    Estimate's log-masses against those after estimate_and_select (outside the timed graph)."""
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+    before = ws.logmass.clone()
+    moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
+    changed = middle = 0
+    for row, seq_len in enumerate(case["seq_lens"]):
+        n = math.ceil(seq_len / PAGE)
+        if n <= 2:
+            continue
+        moved = (ws.logmass[row, :, :, 1 : n - 1] != before[row, :, :, 1 : n - 1]).any(dim=1)
+        changed += int(moved.sum())
+        middle += moved.numel()
+    return changed / max(middle, 1)
 
 
 def check_layouts(case_token_major):
@@ -924,8 +979,11 @@ def main():
         "--estimators",
         default="",
         help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time; prefix 'int8:' "
-        "(e.g. int8:mvar_top4) for int8 summaries (MOIRA_SUMMARY_DTYPE=int8)",
+        "(e.g. int8:mvar_top4) for int8 summaries (MOIRA_SUMMARY_DTYPE=int8), suffix '+wide' "
+        "for MOIRA_REFINE=wide (e.g. int8:mvar_top8+wide)",
     )
+    parser.add_argument("--query-scale", type=float, default=1.0,
+                        help="queries times this (3: wide pages for refine arms)")  # fmt: skip
     parser.add_argument("--only-estimators", action="store_true",
                         help="with --estimators: skip the other checks and timings")  # fmt: skip
     parser.add_argument("--skip-checks", action="store_true",
@@ -955,7 +1013,8 @@ def main():
     for name in estimators:
         estimator, summary_dtype = split_summary_dtype(name)
         moira.estimator_num_top(estimator)  # unknown name: error before any work
-        moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype).validate()
+        moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype,
+                                refine=refine_of(name)).validate()  # fmt: skip
     if args.only_estimators and not estimators:
         parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)
@@ -971,7 +1030,8 @@ def main():
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
         t0 = time.time()
-        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype)
+        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype,
+                          query_scale=args.query_scale)  # fmt: skip
         entry = {"shape": shape, "seq_lens": case["seq_lens"]}
         if not args.only_estimators and not args.skip_checks:
             entry["gamma_one"] = check_gamma_one(case)

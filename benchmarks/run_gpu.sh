@@ -28,6 +28,11 @@ Steps (NAME[:ARG]):
   vllm-tests[:GAMMA]    vLLM's own backend tests with MOIRA added (patch 0007), through
                        tests/upstream/run_vllm_tests.py; needs `run_vllm_tests.py stage`
                        run beforehand on a machine with the sdist (GAMMA default 1)
+  refine[:SHAPES]      moira_correctness.py on int8 mvar, int8 mvar_top8 and int8 mvar_top8
+                       with MOIRA_REFINE=wide, queries x3 (wide pages to refine): lists vs
+                       the reference, Estimate + Select timed side by side, the refined
+                       share; into refine.json / refine_timing.json (SHAPES default
+                       4x131072,32x8192)
   accuracy             benchmarks/accuracy/run_accuracy_vllm.py run (FLASH_ATTN, MOIRA),
                        then merge; needs --acc-prompts and --acc-model
   accuracy-suite[:ENGINES]
@@ -126,7 +131,7 @@ fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
-            | summaries | vllm-tests | accuracy) ;;
+            | summaries | vllm-tests | accuracy | refine) ;;
         accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
@@ -232,6 +237,12 @@ for step in "${STEPS[@]}"; do
             run "correctness${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
                 --shapes "${arg:-4x131072,32x8192}" --json "${OUT}/correctness${SUFFIX}.json" \
                 --timing-json "${OUT}/correctness${SUFFIX}_timing.json"
+            ;;
+        refine)
+            run "refine${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
+                --only-estimators --estimators int8:mvar,int8:mvar_top8,int8:mvar_top8+wide \
+                --query-scale 3 --shapes "${arg:-4x131072,32x8192}" \
+                --json "${OUT}/refine${SUFFIX}.json" --timing-json "${OUT}/refine${SUFFIX}_timing.json"
             ;;
         tpot)
             shapes=()

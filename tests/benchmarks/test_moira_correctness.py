@@ -91,3 +91,10 @@ def test_attend_sweep_names_only_known_settings():
     for name in mc.ATTEND_SCHEDULE_LAUNCH.values():
         assert isinstance(getattr(mc.moira, name), dict)
     assert "maxnreg" in mc.moira.ATTEND_PAGES_LAUNCH and "maxnreg" in mc.moira.ATTEND_LAUNCH
+
+
+def test_refine_suffix_names_the_config_not_the_summaries():
+    assert mc.split_summary_dtype("int8:mvar_top8+wide") == ("mvar_top8", "int8")
+    assert mc.refine_of("int8:mvar_top8+wide") == "wide"
+    assert mc.split_summary_dtype("mvar_top8") == ("mvar_top8", "bfloat16")
+    assert mc.refine_of("mvar_top8") == "off"
