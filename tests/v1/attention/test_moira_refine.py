@@ -147,3 +147,18 @@ def test_wide_threshold_is_relative_to_rem_critical_variance():
     wide = ref.wide_pages(query, summ, 1.0, num_top=8)
     critical = 0.75 * 2 * math.log(56)  # 6.04
     assert wide.tolist() == [[v >= critical for v in (4.0, 8.0, 12.0)]]
+
+
+def test_refine_leaves_dense_rows_whole():
+    # The backend's defaults: rows of context x 4 rows <= 36864 tokens read every page;
+    # the first Select marks them done, so refine reads nothing for them.
+    batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
+                              "concentrated", seed=6, query_scale=3.0)  # fmt: skip
+    ws, out = _run(moira.MoiraConfig(refine="wide"), batch)
+    for row, seq_len in enumerate(SEQ_LENS):
+        n = ref.num_pages(seq_len)
+        for h in range(2):
+            assert ws.page_list[row, h, : int(ws.page_count[row, h])].tolist() == list(range(n))
+    assert bool((ws.select_stats[: len(SEQ_LENS), :, 0] == float("inf")).all())
+    _, out_off = _run(moira.MoiraConfig(), batch)
+    assert torch.equal(out, out_off)
