@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.v1.attention.moira_test_utils import make_decode_batch
+from tests.v1.attention.moira_test_utils import full_page_slots, make_decode_batch
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
@@ -162,3 +162,31 @@ def test_refine_leaves_dense_rows_whole():
     assert bool((ws.select_stats[: len(SEQ_LENS), :, 0] == float("inf")).all())
     _, out_off = _run(moira.MoiraConfig(), batch)
     assert torch.equal(out, out_off)
+
+
+def test_refine_on_an_fp8_cache_equals_the_reference_on_the_dequantized_cache():
+    k_scale, v_scale = 0.0431, 0.0173  # not powers of two, as calibrated scales are
+    estimator = moira.MOIRA_DEFAULT_ESTIMATOR
+    kv, _, table, seq, query = make_decode_batch(
+        SEQ_LENS, 2, 3, 64, "token_major", estimator, "concentrated", seed=7, query_scale=3.0
+    )
+    kv8 = ref.quantize_kv_cache_fp8(kv, k_scale, v_scale)
+    dtype, rows = moira.summary_storage(moira.summary_slots(estimator), "int8")
+    summaries = torch.zeros(kv.shape[0], 2, rows, 64, dtype=dtype)
+    scales = {"k_scale": torch.tensor([k_scale]), "v_scale": torch.tensor([v_scale])}
+    moira.write_page_summaries(kv8, summaries, full_page_slots(table, SEQ_LENS), scales["k_scale"])
+    deq = ref.dequantize_kv_cache(kv8, k_scale, v_scale)
+    fp32_summaries = ref.read_summaries(summaries)
+    masks = _refined_mask(query, deq, summaries, table, seq, 0.98, estimator)
+    assert sum(int(m.sum()) for m in masks if m is not None) > 0
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
+    ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    moira.moira_decode(query, kv8, summaries, table, seq, out, ws, SCALE, **scales)
+    expected, lists = ref.sparse_decode(query, deq, fp32_summaries, table, seq, SCALE, 0.98,
+                                        estimator=estimator, refine="wide")  # fmt: skip
+    for row in range(len(SEQ_LENS)):
+        for h in range(2):
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
