@@ -38,7 +38,8 @@ Steps (NAME[:ARG]):
   accuracy-suite[:ENGINES]
                        run_accuracy_vllm.py suite: the engines side by side on the GPU,
                        then merge, into OUT/accuracy_suite (ENGINES: comma-separated of
-                       dense, moira, moira_mvar; default all three); needs --acc-prompts
+                       dense, moira, moira_mvar, moira_refine; default the first
+                       three); needs --acc-prompts
                        and --acc-model
   tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
                        --acc-prompts): FLASH_ATTN, then MOIRA coverage at gamma 0.99 and
@@ -308,11 +309,11 @@ for step in "${STEPS[@]}"; do
                 --prompts "${ACC_PROMPTS}" --out "${OUT}/accuracy${SUFFIX}.json"
             ;;
         accuracy-suite)
-            engines=(dense moira moira_mvar)
+            engines=()
             [[ -n "${arg}" ]] && IFS=, read -r -a engines <<<"${arg}"
             run "accuracy_suite${SUFFIX}" python -m benchmarks.accuracy.run_accuracy_vllm suite \
                 --prompts "${ACC_PROMPTS}" --model "${ACC_MODEL}" "${KV_ARGS[@]}" \
-                --engines "${engines[@]}" --out-dir "${OUT}/accuracy_suite${SUFFIX}"
+                ${engines[@]+--engines "${engines[@]}"} --out-dir "${OUT}/accuracy_suite${SUFFIX}"
             ;;
         tpot-real)
             real_shapes=${arg:-31744x16,16384x32,8192x64,31744x1}

@@ -24,7 +24,8 @@ Three steps:
    ``moira_rpc.set_selector``) at the read fraction that the ``--fixed-at`` arm (0.98) measured
    on the same documents. The estimator is fixed when the KV cache is allocated
    (``--estimator`` sets ``MOIRA_ESTIMATOR``), so the paper's ``mvar`` is its own engine:
-   ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed``. Documents run in
+   ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed`` (and ``--refine wide``,
+   ``MOIRA_REFINE``, likewise; its arms are labelled ``moira[mvar_top8+wide]@g``). Documents run in
    chunks of one context (``--chunk-tokens``) and every arm runs on a chunk before the next
    chunk: with prefix caching (on by default) the later arms reuse the first arm's prefill,
    so an arm costs little more than its decode steps. Reads: Select's counters, reset
@@ -333,6 +334,8 @@ def run(args) -> None:
             os.environ["MOIRA_ESTIMATOR"] = args.estimator
         if args.summary_dtype:
             os.environ["MOIRA_SUMMARY_DTYPE"] = args.summary_dtype
+        if args.refine:
+            os.environ["MOIRA_REFINE"] = args.refine
     t_start = time.time()
     prompts = load_json(args.prompts)
     docs = [
@@ -348,7 +351,9 @@ def run(args) -> None:
         from vllm.v1.attention.backends import moira
         from vllm.v1.worker import moira_rpc
 
-        estimator = moira.moira_config_from_env().estimator
+        config = moira.moira_config_from_env()
+        # Arms of a refining engine are labelled apart ("moira[mvar_top8+wide]@0.99").
+        estimator = config.estimator + ("+wide" if config.refine == "wide" else "")
     arms = plan_arms(
         args.backend, estimator, args.gammas, args.control, None if args.no_fixed else args.fixed_at
     )
@@ -477,7 +482,15 @@ SUITE_ENGINES: dict[str, list[str]] = {
         "--backend", "MOIRA", "--estimator", "mvar", "--gammas", "0.99", "0.98",
         "--no-control", "--no-fixed",
     ],
+    # The default estimator with Estimate's second stage (MOIRA_REFINE=wide).
+    "moira_refine": [
+        "--backend", "MOIRA", "--refine", "wide", "--gammas", "0.99", "0.98",
+        "--no-control", "--no-fixed",
+    ],
 }  # fmt: skip
+
+
+DEFAULT_SUITE_ENGINES = ("dense", "moira", "moira_mvar")
 
 
 def suite_commands(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -723,6 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--max-new", type=int, default=0, help="default: the export's max_new")
     rn.add_argument("--estimator", help="MOIRA_ESTIMATOR for this engine (default: the env's)")
     rn.add_argument("--summary-dtype", help="MOIRA_SUMMARY_DTYPE (default: the env's)")
+    rn.add_argument("--refine", choices=["off", "wide"],
+                    help="MOIRA_REFINE for this engine (default: the env's)")  # fmt: skip
     rn.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="vLLM's --kv-cache-dtype: auto (bf16) or fp8 (e4m3, per-layer K/V "
                     "scales); merge compares runs of one KV dtype")  # fmt: skip
@@ -774,9 +789,10 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument(
         "--engines",
         nargs="+",
-        default=list(SUITE_ENGINES),
+        default=list(DEFAULT_SUITE_ENGINES),
         choices=sorted(SUITE_ENGINES),
-        help="which engines (default: all three)",
+        help=f"which engines (default: {' '.join(DEFAULT_SUITE_ENGINES)}; three fit one H200 "
+        "at the default KV cache)",
     )
     su.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     su.add_argument("--contexts", type=int, nargs="+", help="only these contexts")

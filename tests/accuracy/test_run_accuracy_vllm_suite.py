@@ -86,3 +86,16 @@ def test_a_suite_without_dense_is_refused(tmp_path):
     )
     with pytest.raises(SystemExit, match="must include dense"):
         R.suite(args)
+
+
+def test_the_refine_engine_is_opt_in_and_labels_its_arms_apart():
+    commands = R.suite_commands(_args("--engines", "dense", "moira", "moira_refine"))
+    refine = commands["moira_refine"][0]
+    assert _value(refine, "--refine") == "wide" and "--no-fixed" in refine
+    assert R.build_parser().parse_args(refine[refine.index("run") :]).refine == "wide"
+    assert "moira_refine" not in R.suite_commands(_args())
+    arms = R.plan_arms("MOIRA", "mvar_top8+wide", [0.99, 0.98], False, None)
+    assert [a["label"] for a in arms] == [
+        "moira[mvar_top8+wide]@0.99",
+        "moira[mvar_top8+wide]@0.98",
+    ]
