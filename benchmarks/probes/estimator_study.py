@@ -152,6 +152,11 @@ def parse_spread(name: str) -> tuple[str, str] | None:
 PC_RE = re.compile(r"^top(\d+)_pc(\d+)(?:_(max|bennett))?$")
 
 
+#: ``samp<stride>_top<r>``: ``research.sampled_logmass`` (stored keys exact, every
+#: ``stride``-th other key sampled), a cheaper stage 2 for two-stage names
+SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
+
+
 def parse_pc(name: str) -> tuple[int, int, str | None] | None:
     """``(r, k, cap rule or None)`` of a ``PC_RE`` name, None for other names."""
     m = PC_RE.match(name)
@@ -290,7 +295,17 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             for e in bases:
                 spread = parse_spread(e)
                 pc = parse_pc(e)
-                if pc:
+                sampled = SAMPLED_RE.match(e)
+                if sampled:
+                    n_in = seq_len // H.PAGE  # full pages; the current page is exact below
+                    est = exact.clone()
+                    if n_in > 0:
+                        est[..., :n_in] = research.sampled_logmass(
+                            q, pages[:n_in], scale, int(sampled.group(2)), int(sampled.group(1))
+                        )
+                    est[..., 0] = exact[..., 0]
+                    est[..., n - 1] = exact[..., n - 1]
+                elif pc:
                     summ = summaries[e]
                     idx = torch.arange(n).clamp_max(summ.shape[0] - 1)  # current: exact below
                     if pc[2]:

@@ -436,3 +436,29 @@ def top_pc_bound_logmass(
     bulk = mean_term + torch.minimum(spread, cap) + math.log(count)
     stored = torch.einsum("hgd,nhrd->hgnr", x, summ[:, :, 3 + k :])
     return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
+
+
+def sampled_logmass(
+    query: torch.Tensor, pages: torch.Tensor, scale: float, r: int, stride: int
+) -> torch.Tensor:
+    """A cheaper stage 2 than the exact mass: the ``r`` keys farthest from the page mean
+    exactly (``mvar_top{r}``'s stored keys), plus every ``stride``-th of the other keys in
+    token order, their mass scaled by (bulk keys / sampled keys). Reads ``r + (64 - r) /
+    stride`` keys of the page instead of 64. ``pages`` ``[n, H_kv, 64, D]``; returns
+    ``[H_kv, G, n]``."""
+    n, h_kv, page, d = pages.shape
+    x = query.float().view(h_kv, -1, d) * scale
+    pages = pages.float()
+    mean = pages.mean(dim=-2, keepdim=True)
+    dist = ((pages - mean) ** 2).sum(dim=-1)  # [n, H, 64]
+    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+    stored = torch.zeros_like(dist, dtype=torch.bool).scatter(-1, order, True)
+    bulk_rank = torch.cumsum((~stored).int(), dim=-1) - 1  # rank among the bulk keys
+    sampled = ~stored & (bulk_rank % stride == 0)
+    logits = torch.einsum("hgd,nhtd->hgnt", x, pages)  # [H, G, n, 64]
+    neg = torch.tensor(float("-inf"))
+    top = torch.where(stored.permute(1, 0, 2).unsqueeze(1), logits, neg)
+    samp = torch.where(sampled.permute(1, 0, 2).unsqueeze(1), logits, neg)
+    count = sampled.sum(dim=-1).clamp_min(1).float()  # [n, H]
+    weight = torch.log((page - r) / count).t().unsqueeze(1)  # [H, 1, n]
+    return torch.logaddexp(torch.logsumexp(top, -1), torch.logsumexp(samp, -1) + weight)

@@ -298,3 +298,11 @@ def test_bennett_spread_bounds_and_the_max_cap():
         without_bound = torch.cat([summ[:, :, :4], summ[:, :, 5:]], 2)
         plain = research.top_pc_logmass(query, without_bound, SCALE, 2)
         assert bool((capped <= plain + 1e-5).all())
+
+
+def test_sampled_stage_two_with_every_key_is_the_exact_mass():
+    pages, query, exact = _pages_and_exact(9)
+    torch.testing.assert_close(research.sampled_logmass(query, pages, SCALE, 4, 1), exact)
+    # every other bulk key, scaled: an estimate, not the mass
+    half = research.sampled_logmass(query, pages, SCALE, 4, 2)
+    assert half.shape == exact.shape and not torch.allclose(half, exact)
