@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy import data as D
 from benchmarks.accuracy import harness as H
 from benchmarks.accuracy.run_accuracy_vllm import _prepare_module
 from benchmarks.probes import estimator_study as study
@@ -157,10 +156,7 @@ def summarize(acc: dict) -> list[dict]:
 def main() -> None:
     prepare = _prepare_module()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=prepare.DEFAULT_MODEL, choices=sorted(prepare.MODELS))
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
-    ap.add_argument("--haystacks", nargs="+", default=["essays"], choices=sorted(D.HAYSTACKS))
-    ap.add_argument("--tasks", nargs="+", default=["niah_single"], choices=study.TASKS)
+    study.add_prompt_arguments(ap, prepare, "niah_single")
     ap.add_argument("--last-k", type=int, default=16, help="teacher-forced rows per prompt")
     ap.add_argument("--estimator", default="int8:mvar_top8", help="a mvar_top{r} estimator")
     ap.add_argument("--gamma", type=float, default=0.98)

@@ -523,13 +523,19 @@ def model_label(spec) -> str:
     return f"{spec.name} ({' '.join(filter(None, ('GGUF', quant)))} -> bf16 -> fp32, CPU)"
 
 
-def main() -> None:
-    prepare = _prepare_module()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_prompt_arguments(ap: argparse.ArgumentParser, prepare, default_task: str) -> None:
+    """--model, --contexts, --haystacks and --tasks: which captured prompts a probe reads
+    (this study's and ``estimator_errors.py``'s)."""
     ap.add_argument("--model", default=prepare.DEFAULT_MODEL, choices=sorted(prepare.MODELS))
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
     ap.add_argument("--haystacks", nargs="+", default=["essays"], choices=sorted(D.HAYSTACKS))
-    ap.add_argument("--tasks", nargs="+", default=["needle_mid"], choices=TASKS)
+    ap.add_argument("--tasks", nargs="+", default=[default_task], choices=TASKS)
+
+
+def main() -> None:
+    prepare = _prepare_module()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_prompt_arguments(ap, prepare, "needle_mid")
     ap.add_argument("--prompts", type=int, default=1, help="seeds per (context, haystack, task)")
     ap.add_argument("--last-k", type=int, default=16, help="teacher-forced rows per prompt")
     ap.add_argument("--estimators", nargs="+", default=ESTIMATORS)

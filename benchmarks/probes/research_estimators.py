@@ -353,6 +353,17 @@ def summarize_top_pc(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
     return torch.cat([top[..., :2, :], axes, top[..., 2:, :]], dim=-2)
 
 
+def _pc_mean_and_variance(x: torch.Tensor, summ: torch.Tensor, k: int):
+    """``x . mu_b`` and the bulk's variance along ``x`` from ``summarize_top_pc``'s slots 0,
+    1 and the ``k`` axes: ``sum_i (x.w_i)^2 + x^2 . (sigma^2 - sum_i w_i^2)``, ``[H, G, n]``
+    each (``x`` ``[H, G, D]``, ``summ`` fp32)."""
+    axes = summ[:, :, 2 : 2 + k]  # [n, H, k, D]
+    mean_term = torch.einsum("hgd,nhd->hgn", x, summ[:, :, 0])
+    residual = (summ[:, :, 1] - (axes**2).sum(dim=2)).clamp_min(0.0)
+    v = torch.einsum("hgd,nhd->hgn", x * x, residual)
+    return mean_term, v + (torch.einsum("hgd,nhkd->hgnk", x, axes) ** 2).sum(-1)
+
+
 def top_pc_logmass(
     query: torch.Tensor, page_summaries: torch.Tensor, scale: float, k: int
 ) -> torch.Tensor:
@@ -364,11 +375,7 @@ def top_pc_logmass(
     count = ref.PAGE_SIZE - r
     x = query.float().view(h_kv, -1, query.shape[-1]) * scale
     summ = page_summaries.float()
-    axes = summ[:, :, 2 : 2 + k]  # [n, H, k, D]
-    mean_term = torch.einsum("hgd,nhd->hgn", x, summ[:, :, 0])
-    residual = (summ[:, :, 1] - (axes**2).sum(dim=2)).clamp_min(0.0)
-    v = torch.einsum("hgd,nhd->hgn", x * x, residual)
-    v = v + (torch.einsum("hgd,nhkd->hgnk", x, axes) ** 2).sum(-1)
+    mean_term, v = _pc_mean_and_variance(x, summ, k)
     bulk = mean_term + ref.rem_spread(v, count) + math.log(count)
     stored = torch.einsum("hgd,nhrd->hgnr", x, summ[:, :, 2 + k :])
     if stored.shape[-1] == 0:
@@ -422,10 +429,7 @@ def top_pc_bound_logmass(
     summ = page_summaries.float()
     axes = summ[:, :, 2 : 2 + k]  # [n, H, k, D]
     bnd = summ[:, :, 2 + k]  # [n, H, D]
-    mean_term = torch.einsum("hgd,nhd->hgn", x, summ[:, :, 0])
-    residual = (summ[:, :, 1] - (axes**2).sum(dim=2)).clamp_min(0.0)
-    proj = torch.einsum("hgd,nhkd->hgnk", x, axes)  # x . w_i
-    v = torch.einsum("hgd,nhd->hgn", x * x, residual) + (proj**2).sum(-1)
+    mean_term, v = _pc_mean_and_variance(x, summ, k)
     units = axes / axes.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     xu = torch.einsum("hgd,nhkd->hgnk", x, units)  # x . u_i
     x_rest = (x.norm(dim=-1, keepdim=True) ** 2 - (xu**2).sum(-1)).clamp_min(0.0).sqrt()

@@ -36,6 +36,13 @@ def _refined_mask(query, kv, summaries, table, seq, gamma, estimator):
     return masks
 
 
+def _assert_lists(ws, lists):
+    for row in range(len(SEQ_LENS)):
+        for h in range(2):
+            count = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
+
+
 def _run(config, batch):
     kv, summaries, table, seq, query = batch
     group = query.shape[1] // kv.shape[1]
@@ -69,10 +76,7 @@ def test_refine_lists_and_output_equal_reference(estimator, summary_dtype, group
     fp32_summaries = ref.read_summaries(summaries)
     expected, lists = ref.sparse_decode(query, kv, fp32_summaries, table, seq, SCALE, gamma,
                                         estimator=estimator, refine="wide")  # fmt: skip
-    for row in range(len(SEQ_LENS)):
-        for h in range(2):
-            count = int(ws.page_count[row, h])
-            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
+    _assert_lists(ws, lists)
     torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
 
 
@@ -185,8 +189,5 @@ def test_refine_on_an_fp8_cache_equals_the_reference_on_the_dequantized_cache():
     moira.moira_decode(query, kv8, summaries, table, seq, out, ws, SCALE, **scales)
     expected, lists = ref.sparse_decode(query, deq, fp32_summaries, table, seq, SCALE, 0.98,
                                         estimator=estimator, refine="wide")  # fmt: skip
-    for row in range(len(SEQ_LENS)):
-        for h in range(2):
-            count = int(ws.page_count[row, h])
-            assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
+    _assert_lists(ws, lists)
     torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)

@@ -1330,6 +1330,19 @@ def kernel_moira_estimate(
         tl.store(lm_row + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
 
+def _estimate_strides(query, kv_cache, summaries, scales, block_table, logmass) -> tuple:
+    """The stride arguments that kernel_moira_estimate and kernel_moira_refine share, in
+    their order (query, KV cache, summaries, scales, block table, log-masses)."""
+    return (
+        query.stride(0), query.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        summaries.stride(0), summaries.stride(1),
+        scales.stride(0), scales.stride(1),
+        block_table.stride(0),
+        logmass.stride(0), logmass.stride(1), logmass.stride(2),
+    )  # fmt: skip
+
+
 def estimate_page_logmass(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1392,19 +1405,7 @@ def estimate_page_logmass(
         seq_lens if list_pages is None else list_pages,
         k_scale_arg,
         scale,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        summaries.stride(0),
-        summaries.stride(1),
-        scales.stride(0),
-        scales.stride(1),
-        block_table.stride(0),
-        logmass.stride(0),
-        logmass.stride(1),
-        logmass.stride(2),
+        *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
         GROUP_SIZE=group_size,
         GROUP_ROWS=_group_rows(group_size),
         EST_ROWS=_estimate_rows(group_size, int8 and int8_convert == 3),
@@ -2048,19 +2049,7 @@ def refine_page_logmass(
         scale,
         math.exp(-REFINE_BELOW_NATS),
         REFINE_WIDE_FACTOR * 2.0 * math.log(MOIRA_PAGE_SIZE - num_top),
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        summaries.stride(0),
-        summaries.stride(1),
-        scales.stride(0),
-        scales.stride(1),
-        block_table.stride(0),
-        logmass.stride(0),
-        logmass.stride(1),
-        logmass.stride(2),
+        *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
         select_stats.stride(0),
         select_stats.stride(1),
         GROUP_SIZE=group_size,
