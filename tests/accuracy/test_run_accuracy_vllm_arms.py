@@ -126,11 +126,15 @@ def _install_fakes(monkeypatch, prompts):
     class Cfg:
         estimator: str = "mvar_top8"
         summary_dtype: str = "int8"
+        refine: str = "off"
 
     def from_env():
         import os
 
-        return Cfg(os.environ.get("MOIRA_ESTIMATOR", "mvar_top8"))
+        return Cfg(
+            os.environ.get("MOIRA_ESTIMATOR", "mvar_top8"),
+            refine=os.environ.get("MOIRA_REFINE", "off"),
+        )
 
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams = FakeEngine, SamplingParams
@@ -398,3 +402,13 @@ def test_export_qwen_fits_the_contexts(tmp_path):
     for d in data["docs"]:
         assert 3500 < len(d["prompt_token_ids"]) <= 4096 - data["max_new"]
         assert d["sample"]["context"] == 4096
+
+
+def test_run_refine_labels_its_arms_apart(tmp_path, suite, monkeypatch):
+    monkeypatch.setenv("MOIRA_REFINE", "off")  # restored after the run sets it
+    record = _run(tmp_path, suite[1], "--no-control", "--no-fixed", "--refine", "wide")
+    assert [a["label"] for a in record["arms"]] == [
+        "moira[mvar_top8+wide]@0.99",
+        "moira[mvar_top8+wide]@0.98",
+        "moira[mvar_top8+wide]@0.5",
+    ]
