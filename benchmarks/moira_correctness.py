@@ -413,19 +413,19 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     est_err = 0.0
     sparse_err = 0.0
     refined = refine_disagreements = middle_pages = 0
+    fp32_summaries = ref.read_summaries(case["summaries"])
     for row in range(min(estimate_rows, batch)):
         seq_len = case["seq_lens"][row]
         n = math.ceil(seq_len / PAGE)
-        fp32_summaries = ref.read_summaries(case["summaries"])
         expected = ref.estimate_row_logmass(
             case["query"][row], reference_cache(case), fp32_summaries,
             case["table"][row], seq_len, SCALE, estimator)  # fmt: skip
-        diff = (logmass[row, :, :, :n] - expected.cpu()).abs()
         if refine == "wide":
             expected, mask = ref.refine_row_logmass(
                 case["query"][row], reference_cache(case), fp32_summaries, case["table"][row],
                 seq_len, SCALE, expected, gamma, estimator)  # fmt: skip
-            diff = (logmass[row, :, :, :n] - expected.cpu()).abs()
+        diff = (logmass[row, :, :, :n] - expected.cpu()).abs()
+        if refine == "wide":
             # A page at the band's or the wide test's edge may be refined on one side only
             # (summation order): counted, and left out of the estimate's error.
             disagree = diff.amax(dim=1) > 1e-2
@@ -441,6 +441,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     extra = {}
     if refine == "wide":
         extra = {"refined_fraction_reference": refined / max(middle_pages, 1),
+                 "refine_pages_checked": middle_pages,
                  "refine_disagreements": refine_disagreements}  # fmt: skip
     return {
         "estimator": estimator,

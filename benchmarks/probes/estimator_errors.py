@@ -39,6 +39,7 @@ import torch
 from benchmarks.accuracy import harness as H
 from benchmarks.accuracy.run_accuracy_vllm import _prepare_module
 from benchmarks.probes import estimator_study as study
+from benchmarks.probes import research_estimators as research
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
 PARTS = ("var_ratio", "variance_excess", "tail_excess")
@@ -55,19 +56,14 @@ def bulk_decomposition(
     """
     n, h_kv, page, d = pages.shape
     x = query.float().view(h_kv, -1, d) * scale  # [H, G, D]
-    mean = pages.mean(dim=-2, keepdim=True)
-    dist = ((pages - mean) ** 2).sum(dim=-1)  # [n, H, 64]
-    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
-    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False)  # [n, H, 64]
+    bulk = research.bulk_mask(pages, r)  # [n, H, 64]
     count = page - r
     logits = torch.einsum("hgd,nhtd->hgnt", x, pages)  # [H, G, n, 64]
     in_bulk = bulk.permute(1, 0, 2).unsqueeze(1)  # [H, 1, n, 64]
     masked = logits.masked_fill(~in_bulk, -math.inf)
     mu = torch.where(in_bulk, logits, 0.0).sum(-1) / count
     var_along = (torch.where(in_bulk, logits - mu.unsqueeze(-1), 0.0) ** 2).sum(-1) / count
-    m = bulk.unsqueeze(-1).float()
-    mu_b = (pages * m).sum(dim=-2) / count  # [n, H, D]
-    var_b = (((pages - mu_b.unsqueeze(-2)) * m) ** 2).sum(dim=-2) / count
+    var_b = ref.summarize_key_pages_top(pages, r)[:, :, 1]  # [n, H, D]: the bulk's variance
     var_diag = torch.einsum("hgd,nhd->hgn", x * x, var_b)
     lme = torch.logsumexp(masked, dim=-1) - math.log(count) - mu
     return {

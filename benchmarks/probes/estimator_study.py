@@ -260,14 +260,14 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         q_rows = cap["q"].float()  # [Hq, K, D]
         k_rows = q_rows.shape[1]
         n_full = seq_total // H.PAGE
+        h_kv, _, d = keys_all.shape
+        pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
         summaries = {}
-        h_kv_all = keys_all.shape[0]
         for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
             pc = parse_pc(e)
             if pc:
-                full = keys_all[:, : n_full * H.PAGE].reshape(h_kv_all, n_full, H.PAGE, -1)
                 make = research.summarize_top_pc_bound if pc[2] else research.summarize_top_pc
-                summaries[e] = make(full.transpose(0, 1), pc[0], pc[1])
+                summaries[e] = make(pages, pc[0], pc[1])
                 continue
             spread = parse_spread(e)
             if spread:
@@ -277,8 +277,6 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             if base in ref.TOP_ESTIMATORS or storage is not None:
                 summaries[e] = H.page_summaries_for(keys_all, n_full, e)
         summaries[None] = H.page_summaries_ext(keys_all, n_full)
-        h_kv, _, d = keys_all.shape
-        pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
         radius, chan_dev = research.page_spread_bounds(pages)  # [n, H], [n, H, D]
         anchors: dict = {}  # (estimator, gamma) -> research.AnchoredEstimate, per layer
         for i in range(k_rows):
@@ -291,6 +289,9 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
             true_pibar = ref.group_mean_shares(exact)  # [H, n]
             dense = [torch.arange(n, dtype=torch.int32)] * keys.shape[0]
             o_dense, _ = ref.attend_pages(q, keys, vals, dense, seq_len, scale)
+            # the row's n pages of a summary; the current page (partial or not) padded with
+            # the last full one, its estimate replaced by the exact mass below
+            page_rows = torch.arange(n).clamp_max(n_full - 1)
             ests = {}
             for e in bases:
                 spread = parse_spread(e)
@@ -303,39 +304,29 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                         est[..., :n_in] = research.sampled_logmass(
                             q, pages[:n_in], scale, int(sampled.group(2)), int(sampled.group(1))
                         )
-                    est[..., 0] = exact[..., 0]
-                    est[..., n - 1] = exact[..., n - 1]
+                elif pc and pc[2]:
+                    summ = summaries[e][page_rows]
+                    est = research.top_pc_bound_logmass(q, summ, scale, pc[1], pc[2])
                 elif pc:
-                    summ = summaries[e]
-                    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)  # current: exact below
-                    if pc[2]:
-                        est = research.top_pc_bound_logmass(q, summ[idx], scale, pc[1], pc[2])
-                    else:
-                        est = research.top_pc_logmass(q, summ[idx], scale, pc[1])
-                    est[..., 0] = exact[..., 0]
-                    est[..., n - 1] = exact[..., n - 1]
+                    est = research.top_pc_logmass(q, summaries[e][page_rows], scale, pc[1])
                 elif spread:
-                    summ = summaries[e]
-                    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)  # current: exact below
-                    est = research.top_spread_logmass(q, summ[idx], scale, spread[1])
-                    est[..., 0] = exact[..., 0]
-                    est[..., n - 1] = exact[..., n - 1]
+                    summ = summaries[e][page_rows]
+                    est = research.top_spread_logmass(q, summ, scale, spread[1])
                 elif e in CAPPED:
                     rem, use_r, use_c = CAPPED[e]
-                    summ = summaries[None]
-                    # the current page (partial or not) is padded here, exact below
-                    idx = torch.arange(n).clamp_max(summ.shape[0] - 1)
+                    summ = summaries[None][page_rows]
                     est = research.capped_spread_logmass(
-                        q, summ[idx, :, 0], summ[idx, :, 1], scale,
-                        radius=radius[idx] if use_r else None,
-                        chan_dev=chan_dev[idx] if use_c else None, rem=rem,
+                        q, summ[:, :, 0], summ[:, :, 1], scale,
+                        radius=radius[page_rows] if use_r else None,
+                        chan_dev=chan_dev[page_rows] if use_c else None, rem=rem,
                     )  # fmt: skip
-                    est[..., 0] = exact[..., 0]
-                    est[..., n - 1] = exact[..., n - 1]
                 else:
                     summ = summaries.get(e, summaries[None])
                     base = ref.parse_stored_estimator(e)[0]
                     est, _ = H.estimate_logmass(q, keys, seq_len, scale, base, summ, exact)
+                # The sink and the current page (partial, or padded above) are exact.
+                est[..., 0] = exact[..., 0]
+                est[..., n - 1] = exact[..., n - 1]
                 ests[e] = est
             upper = None  # the radius bound of this row's pages, for 2u estimators
             for est_name in estimators:
@@ -346,12 +337,8 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     lists = None
                     mask = None
                     if gated:
-                        summ = summaries[gated[0]]
-                        idx = torch.arange(n).clamp_max(summ.shape[0] - 1)
-                        x = q.float().view(h_kv, -1, q.shape[-1]) * scale
-                        v = torch.einsum("hgd,nhd->hgn", x * x, summ[idx, :, 1]).mean(dim=1)
-                        r = summ.shape[2] - 2
-                        wide = v >= gated[3] * 2.0 * math.log(H.PAGE - r)
+                        summ = summaries[gated[0]][page_rows]
+                        wide = ref.wide_pages(q, summ, scale, summ.shape[2] - 2, gated[3])
                         est, mask = research.two_stage_logmass(
                             ests[gated[0]], ests[gated[1]], gamma, gated[2], math.inf, wide
                         )
@@ -369,10 +356,10 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                             est = anchor.correct(ests[anchored[0]])
                     elif two and math.isnan(two[3]):
                         if upper is None:
-                            idx = torch.arange(n).clamp_max(n_full - 1)
                             upper = research.radius_upper_logmass(
-                                q, summaries[None][idx, :, 0], radius[idx], scale
-                            )
+                                q, summaries[None][page_rows][:, :, 0], radius[page_rows],
+                                scale,
+                            )  # fmt: skip
                         est, mask = research.bound_gated_logmass(
                             ests[two[0]], upper, ests[two[1]], gamma, two[2]
                         )

@@ -323,16 +323,14 @@ def top_spread_logmass(
 ) -> torch.Tensor:
     """``mvar_top{r}`` (``[n, H_kv, 2 + r, D]`` summary) with the bulk's REM term replaced by
     ``SPREADS[spread]``; ``[H_kv, G, n]``."""
-    h_kv = page_summaries.shape[1]
-    r = page_summaries.shape[2] - 2
-    count = ref.PAGE_SIZE - r
-    q = query.float().view(h_kv, -1, query.shape[-1]) * scale
-    summ = page_summaries.float()
-    mean_term = torch.einsum("hgd,nhd->hgn", q, summ[:, :, 0])
-    v = torch.einsum("hgd,nhd->hgn", q * q, summ[:, :, 1])
-    bulk = mean_term + SPREADS[spread](v) + math.log(count)
-    stored = torch.einsum("hgd,nhrd->hgnr", q, summ[:, :, 2:])
-    return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
+    return ref.top_page_logmass(query, page_summaries, scale, lambda v, _: SPREADS[spread](v))
+
+
+def bulk_mask(pages: torch.Tensor, r: int) -> torch.Tensor:
+    """``[..., 64]``: True for the keys of each page ``[..., 64, D]`` that ``mvar_top{r}``
+    summarizes (not among its ``r`` stored keys, ``ref.stored_key_order``)."""
+    order = ref.stored_key_order(pages, r)
+    return torch.ones(pages.shape[:-1], dtype=torch.bool).scatter(-1, order, False)
 
 
 def summarize_top_pc(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
@@ -341,11 +339,7 @@ def summarize_top_pc(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
     (eigenpairs of the bulk's covariance, largest first), then the ``r`` stored keys."""
     top = ref.summarize_key_pages_top(pages, r)
     pages = pages.float()
-    mean = pages.mean(dim=-2, keepdim=True)
-    dist = ((pages - mean) ** 2).sum(dim=-1)
-    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
-    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False).unsqueeze(-1)
-    centred = (pages - top[..., :1, :]) * bulk.float()
+    centred = (pages - top[..., :1, :]) * bulk_mask(pages, r).unsqueeze(-1).float()
     cov = centred.transpose(-1, -2) @ centred / (ref.PAGE_SIZE - r)  # [..., D, D]
     evals, evecs = torch.linalg.eigh(cov)  # ascending
     lead = evals[..., -k:].flip(-1).clamp_min(0.0).sqrt()  # [..., k]
@@ -389,10 +383,7 @@ def summarize_top_pc_bound(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
     of the remainder ``e_t`` (``k_t - mu = sum_i c_ti u_i + e_t``): ``[..., 3 + k + r, D]``."""
     summ = summarize_top_pc(pages, r, k)
     pages = pages.float()
-    mean = pages.mean(dim=-2, keepdim=True)
-    dist = ((pages - mean) ** 2).sum(dim=-1)
-    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
-    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False)
+    bulk = bulk_mask(pages, r)
     axes = summ[..., 2 : 2 + k, :]
     units = axes / axes.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [..., k, D]
     dev = pages - summ[..., :1, :]  # [..., 64, D]
@@ -453,10 +444,7 @@ def sampled_logmass(
     n, h_kv, page, d = pages.shape
     x = query.float().view(h_kv, -1, d) * scale
     pages = pages.float()
-    mean = pages.mean(dim=-2, keepdim=True)
-    dist = ((pages - mean) ** 2).sum(dim=-1)  # [n, H, 64]
-    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
-    stored = torch.zeros_like(dist, dtype=torch.bool).scatter(-1, order, True)
+    stored = ~bulk_mask(pages, r)  # [n, H, 64]
     bulk_rank = torch.cumsum((~stored).int(), dim=-1) - 1  # rank among the bulk keys
     sampled = ~stored & (bulk_rank % stride == 0)
     logits = torch.einsum("hgd,nhtd->hgnt", x, pages)  # [H, G, n, 64]

@@ -1883,6 +1883,12 @@ def select_pages(
 _REFINE_TILE_PAGES = 64
 
 
+def _select_stats_width(group_size: int) -> int:
+    """Floats per list in select_stats: the threshold, then Select's GROUP_ROWS softmax
+    peaks and GROUP_ROWS inverse denominators."""
+    return 1 + 2 * triton.next_power_of_2(group_size)
+
+
 @triton.jit(do_not_specialize=["below_factor", "wide_min_v"])
 def kernel_moira_refine(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
@@ -2032,8 +2038,8 @@ def refine_page_logmass(
     _, scales = _summary_layout(summaries)
     num_kv_heads = kv_cache.shape[1]
     group_size = num_q_heads // num_kv_heads
-    stats_rows = triton.next_power_of_2(group_size)
-    assert select_stats.shape[-1] == 1 + 2 * stats_rows
+    stats_rows = triton.next_power_of_2(group_size)  # Select's GROUP_ROWS
+    assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, _REFINE_TILE_PAGES))
     kernel_moira_refine[grid](
@@ -2738,10 +2744,10 @@ class MoiraWorkspace:
         #: list (select_pages' select_stats), read by kernel_moira_refine.
         self.select_stats: torch.Tensor | None = None
         if config.refine == "wide":
-            stats_width = 1 + 2 * triton.next_power_of_2(group_size)
             self.select_stats = torch.empty(
-                max_num_seqs, num_kv_heads, stats_width, dtype=f32, device=device
-            )
+                max_num_seqs, num_kv_heads, _select_stats_width(group_size), dtype=f32,
+                device=device,
+            )  # fmt: skip
         _LIVE_WORKSPACES.add(self)
 
     def set_selector(self, config: MoiraConfig) -> None:

@@ -313,9 +313,10 @@ def coverage_threshold(pibar: torch.Tensor, gamma: float) -> float | None:
 # --------------------------------------------------------------------------
 # Refine (not in the paper): exact masses for the wide pages near the threshold
 # --------------------------------------------------------------------------
+#: ``sparse_decode``'s ``refine`` (the backend's ``MOIRA_REFINE``).
+REFINE_MODES = ("off", "wide")
 #: Pages whose stage-1 share is within this many nats under Select's threshold
 #: (or above it) are candidates (docs/estimator.md, "Spread-gated refinement").
-REFINE_MODES = ("off", "wide")
 REFINE_BELOW_NATS = 3.0
 #: A candidate is refined when its group-mean variance along x, ``x^2 . sigma^2``
 #: from the summary's variance slot, is at least this times REM's critical
@@ -533,6 +534,15 @@ def rem_spread(v: torch.Tensor, count: int) -> torch.Tensor:
     return torch.where(v <= sc2, 0.5 * v, sc * v.clamp_min(0.0).sqrt() - 0.5 * sc2)
 
 
+def stored_key_order(pages: torch.Tensor, r: int) -> torch.Tensor:
+    """Token indices ``[..., r]`` of the ``r`` keys of each page ``[..., 64, D]`` farthest
+    (L2) from the page mean, farthest first (ties: the lower token index first): the keys
+    ``mvar_top{r}`` stores; the other ``64 - r`` are the bulk."""
+    pages = pages.float()
+    dist = ((pages - pages.mean(dim=-2, keepdim=True)) ** 2).sum(dim=-1)  # [..., 64]
+    return torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+
+
 def summarize_key_pages_top(pages: torch.Tensor, r: int) -> torch.Tensor:
     """``mvar_top{r}`` summary of full pages of keys ``[..., 64, D]``: ``[..., 2 + r, D]`` fp32.
 
@@ -542,12 +552,9 @@ def summarize_key_pages_top(pages: torch.Tensor, r: int) -> torch.Tensor:
     if not 0 < r < PAGE_SIZE:
         raise ValueError(f"r must be in 1..{PAGE_SIZE - 1}, got {r}")
     pages = pages.float()
-    mean = pages.mean(dim=-2, keepdim=True)
-    dist = ((pages - mean) ** 2).sum(dim=-1)  # [..., 64]
-    # stable descending order: ties keep the lower token index first
-    order = torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+    order = stored_key_order(pages, r)
     top = torch.gather(pages, -2, order.unsqueeze(-1).expand(*order.shape, pages.shape[-1]))
-    bulk = torch.ones_like(dist, dtype=torch.bool).scatter(-1, order, False).unsqueeze(-1)
+    bulk = torch.ones(pages.shape[:-1], dtype=torch.bool).scatter(-1, order, False).unsqueeze(-1)
     m = bulk.float()
     mu_b = (pages * m).sum(dim=-2) / (PAGE_SIZE - r)
     var_b = (((pages - mu_b.unsqueeze(-2)) * m) ** 2).sum(dim=-2) / (PAGE_SIZE - r)
@@ -572,9 +579,10 @@ def rem_page_logmass(
 
 
 def top_page_logmass(
-    query: torch.Tensor, page_summaries: torch.Tensor, scale: float
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float, spread=rem_spread
 ) -> torch.Tensor:
-    """``mvar_top{r}`` from a ``[n, H_kv, 2 + r, D]`` summary: ``[H_kv, G, n]``."""
+    """``mvar_top{r}`` from a ``[n, H_kv, 2 + r, D]`` summary: ``[H_kv, G, n]``.
+    ``spread(v, count)``: the bulk's spread term (REM's; the estimator study tries others)."""
     h_kv = page_summaries.shape[1]
     r = page_summaries.shape[2] - 2
     count = PAGE_SIZE - r
@@ -582,7 +590,7 @@ def top_page_logmass(
     summ = page_summaries.float()
     mean_term = torch.einsum("hgd,nhd->hgn", q, summ[:, :, 0])
     v = torch.einsum("hgd,nhd->hgn", q * q, summ[:, :, 1])
-    bulk = mean_term + rem_spread(v, count) + math.log(count)
+    bulk = mean_term + spread(v, count) + math.log(count)
     stored = torch.einsum("hgd,nhrd->hgnr", q, summ[:, :, 2:])
     return torch.logaddexp(bulk, torch.logsumexp(stored, dim=-1))
 
