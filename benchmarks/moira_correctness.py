@@ -642,10 +642,11 @@ ESTIMATE_SWEEP = [
 
 # Select launch candidates: (thresholds per bisection pass, warps).
 SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
-# Attend candidates, each timed under both schedules: launch changes (num_warps and
-# num_stages of ATTEND_LAUNCH; maxnreg of the schedule's own launch dict) and MoiraConfig
-# split constants (min_chunk_pages C, used by `lists` only; attend_fill_blocks N_F);
-# {} = the default.
+# Attend candidates, each timed under both schedules: launch changes (num_warps,
+# num_stages and tile_pages of ATTEND_LAUNCH; maxnreg of the schedule's own launch dict)
+# and MoiraConfig split constants (min_chunk_pages C, used by `lists` only;
+# attend_fill_blocks N_F); {} = the default. tile_pages > 1 (several pages per K/V
+# tile) is for fp8 pages, half a bf16 page's bytes per iteration.
 ATTEND_SWEEP = [
     {},
     {"num_stages": 2},
@@ -659,7 +660,17 @@ ATTEND_SWEEP = [
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
     {"min_chunk_pages": 12, "attend_fill_blocks": 792},
     {"min_chunk_pages": 12, "maxnreg": 128},
+    {"tile_pages": 2},
+    {"tile_pages": 2, "num_stages": 2},
+    {"tile_pages": 2, "num_stages": 4},
+    {"tile_pages": 2, "num_warps": 8},
+    {"tile_pages": 2, "maxnreg": None},
+    {"tile_pages": 4},
+    {"tile_pages": 4, "num_stages": 2},
+    {"tile_pages": 4, "num_warps": 8},
 ]
+#: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
+ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")
 ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNCH"}
 
 
@@ -672,9 +683,10 @@ def split_attend_changes(changes: dict, schedule: str) -> tuple[dict, dict, dict
         raise ValueError(f"schedule must be one of {sorted(ATTEND_SCHEDULE_LAUNCH)}")
     if schedule == "pages" and "min_chunk_pages" in changes:
         return None
-    launch = {k: v for k, v in changes.items() if k in ("num_warps", "num_stages")}
+    launch = {k: v for k, v in changes.items() if k in ATTEND_SHARED_LAUNCH_KEYS}
     own = {k: v for k, v in changes.items() if k == "maxnreg"}
-    config = {k: v for k, v in changes.items() if k not in ("num_warps", "num_stages", "maxnreg")}
+    config = {k: v for k, v in changes.items()
+              if k not in ATTEND_SHARED_LAUNCH_KEYS and k != "maxnreg"}  # fmt: skip
     return launch, own, config
 
 

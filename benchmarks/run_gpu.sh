@@ -33,6 +33,11 @@ Steps (NAME[:ARG]):
                        the reference, Estimate + Select timed side by side, the refined
                        share; into refine.json / refine_timing.json (SHAPES default
                        4x131072,32x8192)
+  attend-sweep[:SHAPES]
+                       moira_correctness.py --sweep-attend --skip-checks: every Attend
+                       launch candidate (ATTEND_SWEEP, tile_pages included) under both
+                       schedules on the same lists, into attend_sweep.json (SHAPES default
+                       4x131072; with --kv-cache-dtype fp8: attend_sweep_fp8.json)
   accuracy             benchmarks/accuracy/run_accuracy_vllm.py run (FLASH_ATTN, MOIRA),
                        then merge; needs --acc-prompts and --acc-model
   accuracy-suite[:ENGINES]
@@ -132,7 +137,7 @@ fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
-            | summaries | vllm-tests | accuracy | refine) ;;
+            | summaries | vllm-tests | accuracy | refine | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
@@ -244,6 +249,11 @@ for step in "${STEPS[@]}"; do
                 --only-estimators --estimators int8:mvar,int8:mvar_top8,int8:mvar_top8+wide \
                 --query-scale 3 --shapes "${arg:-4x131072,32x8192}" \
                 --json "${OUT}/refine${SUFFIX}.json" --timing-json "${OUT}/refine${SUFFIX}_timing.json"
+            ;;
+        attend-sweep)
+            run "attend_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
+                --sweep-attend --skip-checks --shapes "${arg:-4x131072}" \
+                --timing-json "${OUT}/attend_sweep${SUFFIX}.json"
             ;;
         tpot)
             shapes=()

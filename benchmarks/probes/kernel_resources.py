@@ -309,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"int8_convert": "imma"}\'',
     )
+    ap.add_argument(
+        "--attend-launch",
+        default=None,
+        help="JSON merged into ATTEND_LAUNCH, e.g. '{\"tile_pages\": 2}'",
+    )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
     ap.add_argument("--refine", default=None, help="MoiraConfig.refine (default: off)")
@@ -317,11 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     moira = _import_moira(a.src, a.triton_path)
     import triton
 
-    if a.estimate_launch:
-        for key, value in json.loads(a.estimate_launch).items():
-            if key not in moira.ESTIMATE_LAUNCH:
-                ap.error(f"--estimate-launch: unknown key {key!r}")
-            moira.ESTIMATE_LAUNCH[key] = value
+    for option, text, launch in (
+        ("--estimate-launch", a.estimate_launch, moira.ESTIMATE_LAUNCH),
+        ("--attend-launch", a.attend_launch, moira.ATTEND_LAUNCH),
+    ):
+        for key, value in json.loads(text or "{}").items():
+            if key not in launch:
+                ap.error(f"{option}: unknown key {key!r}")
+            launch[key] = value
 
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
@@ -350,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             "refine": a.refine or "off",
             "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
+            "attend_launch": dict(moira.ATTEND_LAUNCH),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }

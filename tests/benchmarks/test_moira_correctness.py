@@ -69,6 +69,8 @@ def test_attend_sweep_entries_split_by_schedule():
     assert mc.ATTEND_SCHEDULE_LAUNCH["lists"] == "ATTEND_LAUNCH"
     assert mc.split_attend_changes({"num_stages": 4, "maxnreg": None}, "pages") == (
         {"num_stages": 4}, {"maxnreg": None}, {})  # fmt: skip
+    assert mc.split_attend_changes({"tile_pages": 2, "maxnreg": None}, "pages") == (
+        {"tile_pages": 2}, {"maxnreg": None}, {})  # fmt: skip
     assert mc.split_attend_changes({"attend_fill_blocks": 792}, "pages") == (
         {}, {}, {"attend_fill_blocks": 792})  # fmt: skip
     # `pages` has no chunks: an entry that changes the chunk size does not apply.
@@ -87,7 +89,8 @@ def test_attend_sweep_names_only_known_settings():
     fields = {f.name for f in dataclasses.fields(mc.moira.MoiraConfig)}
     for changes in mc.ATTEND_SWEEP:
         for key in changes:
-            assert key in ("num_warps", "num_stages", "maxnreg") or key in fields, key
+            assert key in mc.moira.ATTEND_LAUNCH or key == "maxnreg" or key in fields, key
+        assert changes.get("tile_pages", 1) in mc.moira.ATTEND_TILE_PAGES
     for name in mc.ATTEND_SCHEDULE_LAUNCH.values():
         assert isinstance(getattr(mc.moira, name), dict)
     assert "maxnreg" in mc.moira.ATTEND_PAGES_LAUNCH and "maxnreg" in mc.moira.ATTEND_LAUNCH

@@ -477,6 +477,52 @@ def test_attend_accepts_any_page_list():
                                    rtol=BF16_RTOL)  # fmt: skip
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("tile_pages", [2, 4])
+@pytest.mark.parametrize("schedule", ["lists", "pages"])
+def test_attend_tile_pages_matches_reference(schedule, tile_pages, kv_dtype, monkeypatch):
+    """ATTEND_LAUNCH["tile_pages"] > 1 gathers several list entries into one
+    K/V tile: lists whose lengths are not multiples of the tile (1, 3, 5, 6
+    pages), entries out of order, a partial last page, and (``pages``, 4
+    blocks) runs that cut lists at odd positions all equal the reference."""
+    monkeypatch.setitem(moira.ATTEND_LAUNCH, "tile_pages", tile_pages)
+    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 4}
+    config = moira.MoiraConfig.paper(attend_schedule=schedule, **splits)
+    seq_lens = [64 * 9 + 5, 64 * 3, 64 * 6]
+    kv, _, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", seed=5)
+    scales = {}
+    if kv_dtype == "fp8":
+        k_scale, v_scale = 0.0431, 0.0173
+        kv = ref.quantize_kv_cache_fp8(kv, k_scale, v_scale)
+        scales = {"k_scale": torch.tensor([k_scale]), "v_scale": torch.tensor([v_scale])}
+    lists = [
+        [torch.tensor([9, 0, 2, 4, 6]), torch.tensor([0, 1, 2, 3, 8, 9])],
+        [torch.tensor([1]), torch.tensor([2, 0, 1])],
+        [torch.tensor([5, 0, 3]), torch.tensor([0, 1, 2, 3, 4, 5])],
+    ]
+    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125, **scales)
+    kv_values = ref.dequantize_kv_cache(kv, **scales) if scales else kv
+    for row, seq_len in enumerate(seq_lens):
+        keys, values = ref.row_keys_values(kv_values, table[row], seq_len)
+        expected, _ = ref.attend_pages(query[row], keys, values, lists[row], seq_len, 0.125)
+        torch.testing.assert_close(out[row].float(), expected, atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)  # fmt: skip
+
+
+def test_attend_tile_pages_outside_the_allowed_values_is_refused(monkeypatch):
+    monkeypatch.setitem(moira.ATTEND_LAUNCH, "tile_pages", 3)
+    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
+    kv, _, table, seq, query = _batch([64 * 2], 1, 1, 64, "token_major")
+    page_list, page_count = pack_page_lists([[torch.tensor([0, 1])]], table.shape[1])
+    ws = moira.MoiraWorkspace(1, 1, 1, 64, table.shape[1], config, "cpu")
+    with pytest.raises(ValueError, match=r"tile_pages'\] must be one of \(1, 2, 4\), got 3"):
+        moira.attend(query, kv, table, seq, page_list, page_count, torch.empty_like(query), ws,
+                     0.125)  # fmt: skip
+
+
 def _chunks_written(ws, row, num_splits, num_q_heads):
     """Chunks of ``row`` whose partial LSE Attend wrote (buffers start NaN)."""
     lse = ws.partial_lse[row * num_splits : (row + 1) * num_splits, :num_q_heads]

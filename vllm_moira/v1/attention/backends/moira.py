@@ -147,7 +147,11 @@ WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
 # bisection pass in one 2D reduction (1: one reduction per threshold).
 SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
 # Attend (paper App. A: 4 warps, 3 stages; maxnreg None: ptxas's choice).
-ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
+# tile_pages: list entries (pages) per iteration of the K/V loop, 1, 2 or 4.
+ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None,
+                                 "tile_pages": 1}  # fmt: skip
+#: ATTEND_LAUNCH["tile_pages"] values: the tile's token count must be a power of 2.
+ATTEND_TILE_PAGES = (1, 2, 4)
 # attend_schedule="pages": the register cap that fits 3 blocks per SM (the
 # N_F that ATTEND_BLOCKS_PER_SM counts on) with no spills.
 ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
@@ -2109,6 +2113,7 @@ def _attend_list_pages(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    TILE_PAGES: tl.constexpr,
 ):
     # Online softmax of the G query heads over list entries [start, end):
     # returns the unnormalized output, the running max (base 2) and sum.
@@ -2116,7 +2121,12 @@ def _attend_list_pages(
     # q and p in fp16; the layer's scales are per tensor, so k_scale joins the
     # softmax scale and v_scale multiplies the chunk's output once, which is
     # attention over the dequantized K and V.
-    offs_t = tl.arange(0, PAGE_SIZE)
+    # TILE_PAGES list entries per iteration: one K and one V tile of
+    # TILE_PAGES * PAGE_SIZE tokens gathered from as many blocks. An fp8 page
+    # is half a bf16 page's bytes, so one page per iteration leaves fewer
+    # bytes in flight behind each iteration's dependent loads (list entry ->
+    # block table -> tile); a wider tile puts them back.
+    offs_t = tl.arange(0, TILE_PAGES * PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     q = tl.load(
         q_row_ptr + q_heads[:, None] * stride_q_head + offs_d[None, :],
@@ -2131,11 +2141,23 @@ def _attend_list_pages(
     running_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, HEAD_SIZE], tl.float32)
-    for i in range(start, end):
-        page = tl.load(pages_ptr + i)
-        block = tl.load(block_table_row_ptr + page).to(tl.int64)
-        mask_t = offs_t < seq_len - page * PAGE_SIZE
-        tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
+    for i in range(start, end, TILE_PAGES):
+        if TILE_PAGES == 1:
+            page = tl.load(pages_ptr + i)
+            block = tl.load(block_table_row_ptr + page).to(tl.int64)
+            mask_t = offs_t < seq_len - page * PAGE_SIZE
+            tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
+        else:
+            # Tile token t is token t % PAGE_SIZE of list entry i + t // PAGE_SIZE;
+            # entries past `end` (the last tile of an uneven run) are masked,
+            # and entry i always holds a token, so no tile row is all -inf.
+            entry = i + offs_t // PAGE_SIZE
+            in_run = entry < end
+            page = tl.load(pages_ptr + entry, mask=in_run, other=0)
+            block = tl.load(block_table_row_ptr + page, mask=in_run, other=0).to(tl.int64)
+            token = offs_t % PAGE_SIZE
+            mask_t = in_run & (token < seq_len - page * PAGE_SIZE)
+            tile = kv_head_ptr + block[:, None] * stride_kv_block + token[:, None] * stride_kv_token
         k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         if KV_FP8:
@@ -2188,6 +2210,7 @@ def kernel_moira_attend(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    TILE_PAGES: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -2224,7 +2247,7 @@ def kernel_moira_attend(
         block_table_ptr + row * stride_bt_row,
         page_list_ptr + row * stride_pl_row + head * stride_pl_head,
         seq_len, start, end, scale, k_scale, v_scale, q_heads, mask_g, stride_q_head,
-        stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, KV_FP8,
+        stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, KV_FP8, TILE_PAGES,
     )  # fmt: skip
 
     acc = acc / running_sum[:, None]
@@ -2315,6 +2338,7 @@ def kernel_moira_attend_pages(
     PAGE_SIZE: tl.constexpr,
     LISTS_TILE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    TILE_PAGES: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -2362,7 +2386,7 @@ def kernel_moira_attend_pages(
                 page_list_ptr + row * stride_pl_row + head * stride_pl_head,
                 tl.load(seq_lens_ptr + row), lo, hi, scale, k_scale, v_scale, q_heads, mask_g,
                 stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE,
-                PAGE_SIZE, KV_FP8,
+                PAGE_SIZE, KV_FP8, TILE_PAGES,
             )  # fmt: skip
             acc = acc / running_sum[:, None]
             if (lo == 0) & (hi == n):
@@ -2602,6 +2626,11 @@ def _attend_arguments(
     num_q_heads, head_size = query.shape[1], query.shape[2]
     group_size = num_q_heads // kv_cache.shape[1]
     kv_fp8, k_scale_arg, v_scale_arg = kv_scale_args
+    if ATTEND_LAUNCH["tile_pages"] not in ATTEND_TILE_PAGES:
+        raise ValueError(
+            f"Moira: ATTEND_LAUNCH['tile_pages'] must be one of {ATTEND_TILE_PAGES}, got "
+            f"{ATTEND_LAUNCH['tile_pages']!r}"
+        )
     leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
                workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg,
                scale)  # fmt: skip
@@ -2615,6 +2644,7 @@ def _attend_arguments(
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         KV_FP8=kv_fp8,
+        TILE_PAGES=ATTEND_LAUNCH["tile_pages"],
         num_warps=ATTEND_LAUNCH["num_warps"],
         num_stages=ATTEND_LAUNCH["num_stages"],
         **_dependent_launch(),
