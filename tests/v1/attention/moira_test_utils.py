@@ -154,3 +154,22 @@ def pack_page_lists(lists, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
             page_list[row, head, : len(pages)] = pages
             page_count[row, head] = len(pages)
     return page_list, page_count
+
+
+def apply_launch_candidates(monkeypatch) -> None:
+    """Run a GPU test under candidate launch settings before they become the
+    default: ``MOIRA_TEST_ESTIMATE_LAUNCH`` and ``MOIRA_TEST_ATTEND_LAUNCH``
+    hold JSON dicts of changes to the built backend's ESTIMATE_LAUNCH and
+    ATTEND_LAUNCH (e.g. ``'{"tile_pages": 2}'``); an unknown key fails."""
+    import json
+    import os
+
+    from vllm.v1.attention.backends import moira
+
+    for variable, launch in (
+        ("MOIRA_TEST_ESTIMATE_LAUNCH", moira.ESTIMATE_LAUNCH),
+        ("MOIRA_TEST_ATTEND_LAUNCH", moira.ATTEND_LAUNCH),
+    ):
+        for key, value in json.loads(os.environ.get(variable) or "{}").items():
+            assert key in launch, (variable, key)
+            monkeypatch.setitem(launch, key, value)

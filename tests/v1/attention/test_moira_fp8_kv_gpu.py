@@ -8,13 +8,24 @@ query in e4m3, the scales as descales); the float32 reference reads the
 dequantized cache with the bf16 query, which is what Moira computes with.
 
     MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention/test_moira_fp8_kv_gpu.py
+
+``MOIRA_TEST_ATTEND_LAUNCH='{"tile_pages": 2}'`` runs them under a candidate
+Attend launch (as in ``test_moira_kernels_gpu.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.v1.attention.moira_test_utils import apply_launch_candidates
+
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _launch_candidates(monkeypatch):
+    apply_launch_candidates(monkeypatch)
+
 
 SHAPES = [(4, 131072), (32, 8192)]
 

@@ -12,27 +12,19 @@ default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for ATTEND_LAUNCH.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 import pytest
 import triton
 import triton.language as tl
+
+from tests.v1.attention.moira_test_utils import apply_launch_candidates
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _launch_candidates(monkeypatch):
-    from vllm.v1.attention.backends import moira
-
-    for variable, launch in (
-        ("MOIRA_TEST_ESTIMATE_LAUNCH", moira.ESTIMATE_LAUNCH),
-        ("MOIRA_TEST_ATTEND_LAUNCH", moira.ATTEND_LAUNCH),
-    ):
-        for key, value in json.loads(os.environ.get(variable) or "{}").items():
-            assert key in launch, (variable, key)
-            monkeypatch.setitem(launch, key, value)
+    apply_launch_candidates(monkeypatch)
 
 
 SHAPES = [(4, 131072), (32, 8192)]
