@@ -68,6 +68,55 @@ def test_parse_spread_names():
         study.parse_spread("top8_cauchy")
 
 
+def test_int4_quantizer_rule_round_trip_clamp_and_zero_vector():
+    torch = pytest.importorskip("torch")
+    from vllm_moira.v1.attention.ops import moira_reference as ref
+
+    x = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 7.0], [-3.0, 1.4, 0.0, 0.25]]])
+    q, scale = ref.quantize_summaries_int4(x)
+    assert scale.dtype == torch.float32
+    assert torch.equal(scale, torch.tensor([[0.0, 7.0, 3.0]]) / 7.0)  # absmax / 7, fp32
+    assert q[0, 0].tolist() == [0, 0, 0, 0]  # all-zero vector: scale 0, values 0
+    assert q[0, 1].tolist() == [1, -2, 1, 7]  # floor(x / scale + 0.5): 0.5 -> 1
+    assert q[0, 2].tolist() == [-7, 3, 0, 1]
+    assert torch.equal(ref.dequantize_summaries_int8(q, scale)[0, 0], torch.zeros(4))
+    # random slot vectors with outliers: every value in [-7, 7], each absmax on +-7, and
+    # |error| <= scale / 2 per element
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 10, 128, generator=gen) * torch.rand(5, 3, 10, 1, generator=gen)
+    x[..., 7] *= 40.0
+    q, scale = ref.quantize_summaries_int4(x)
+    assert int(q.min()) >= -7 and int(q.max()) <= 7
+    assert torch.equal(q.abs().amax(dim=-1), torch.full(scale.shape, 7, dtype=q.dtype))
+    back = ref.dequantize_summaries_int8(q, scale)
+    assert torch.all((back - x).abs() <= scale.unsqueeze(-1) / 2 * (1 + 1e-5) + 1e-7)
+    assert ref.quantize_summaries_int8(x)[0].abs().amax() == 127  # int8 unchanged
+
+
+def test_int4_storage_quantizes_only_the_stored_keys():
+    torch = pytest.importorskip("torch")
+    from vllm_moira.v1.attention.ops import moira_reference as ref
+
+    assert study.parse_storage("int4:mvar_top8") == ("mvar_top8", "int4")
+    assert study.parse_storage("int8:mvar_top8") == ("mvar_top8", "int8")
+    assert study.parse_storage("mvar_top8") == ("mvar_top8", None)
+    assert study.parse_spread("int4:top8_uniform") == ("int4:mvar_top8", "uniform")
+    assert study.base_estimators(["2v/int4:mvar_top8/oracle/3/0.75"]) == [
+        "int4:mvar_top8", "oracle"
+    ]  # fmt: skip
+    keys = torch.randn(2, 64 * 5 + 9, 64, generator=torch.Generator().manual_seed(1))
+    fp32 = study.stored_page_summaries(keys, 5, "mvar_top8")
+    int8 = study.stored_page_summaries(keys, 5, "int8:mvar_top8")
+    int4 = study.stored_page_summaries(keys, 5, "int4:mvar_top8")
+    assert int4.shape == int8.shape == fp32.shape == (5, 2, 10, 64)
+    assert torch.equal(int4[:, :, :2], int8[:, :, :2])  # mean and variance: int8 as shipped
+    step = fp32[:, :, 2:].abs().amax(dim=-1, keepdim=True) / ref.INT4_LEVELS
+    err = (int4[:, :, 2:] - fp32[:, :, 2:]).abs()
+    assert torch.all(err <= step / 2 * (1 + 1e-5)) and bool((err > step / 4).any())
+    with pytest.raises(ValueError, match="int4"):
+        study.stored_page_summaries(keys, 5, "int4:mvar")
+
+
 def test_summarize_reports_ratios_to_the_oracle_and_needle_drops():
     stats = {}
     for name, kept, err, drops in (("oracle", 0.4, 0.02, {}), ("mvar", 0.5, 0.03, {"L18/H2": 2})):
@@ -162,6 +211,7 @@ def test_new_families_run_on_a_synthetic_prompt_and_gated_refines_fewer_pages():
         "int8:mvar_top8",
         "2s/int8:mvar_top8/oracle/2/inf",
         "2v/int8:mvar_top8/oracle/2/1",
+        "2v/int4:mvar_top8/oracle/3/0.75",
         "int8:top8_uniform",
         "top8_pc2",
         "top8_pc2_max",

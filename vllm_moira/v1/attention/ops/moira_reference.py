@@ -81,15 +81,36 @@ SUMMARY_DTYPES = ("bfloat16", "int8")
 INT8_LEVELS = 127.0
 
 
+def _quantize_symmetric(
+    summaries: torch.Tensor, levels: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slot vector (the last dim) symmetric: ``scale = absmax / levels``, ``q =
+    floor(x / scale + 0.5)`` clamped to [-levels, levels]; ``(q int8, scale fp32)``."""
+    x = summaries.float()
+    scale = x.abs().amax(dim=-1) / levels
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(x / safe.unsqueeze(-1) + 0.5).clamp(-levels, levels)
+    return q.to(torch.int8), scale
+
+
 def quantize_summaries_int8(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per slot vector (the last dim, D values) symmetric int8: ``scale = absmax / 127``,
     ``q = floor(x / scale + 0.5)`` clamped to [-127, 127] (an all-zero vector: scale 0,
     q 0). Returns ``(q int8 [..., S, D], scale fp32 [..., S])``; the kernel's rule."""
-    x = summaries.float()
-    scale = x.abs().amax(dim=-1) / INT8_LEVELS
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.floor(x / safe.unsqueeze(-1) + 0.5).clamp(-INT8_LEVELS, INT8_LEVELS)
-    return q.to(torch.int8), scale
+    return _quantize_symmetric(summaries, INT8_LEVELS)
+
+
+#: 4-bit stored keys, studied only (benchmarks/probes/estimator_study.py ``int4:``; no
+#: kernel writes them): one fp32 scale per slot vector (absmax / 7), two values a byte.
+INT4_LEVELS = 7.0
+
+
+def quantize_summaries_int4(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slot vector symmetric 4-bit: ``scale = absmax / 7``, ``q = floor(x / scale +
+    0.5)`` clamped to [-7, 7] (an all-zero vector: scale 0, q 0). Returns ``(q [..., S, D],
+    scale fp32 [..., S])``, q unpacked in int8; :func:`dequantize_summaries_int8` reads
+    them back."""
+    return _quantize_symmetric(summaries, INT4_LEVELS)
 
 
 def dequantize_summaries_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
