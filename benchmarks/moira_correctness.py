@@ -462,8 +462,9 @@ def check_estimator_summaries(case, name, num_pages=64):
     """Kernel summaries of ``num_pages`` blocks vs the float32 reference: stored keys
     (slots 2..) must be bit-exact copies (a page may differ only on a near-tie of the
     distances, counted), slots 0-1 within bf16 rounding (max error relative to one bf16
-    ulp of the value). int8 summaries: every stored value vs the reference's quantization
-    of the fp32 summary (largest difference in int8 steps, and the share that is equal)."""
+    ulp of the value). int8 summaries (and int4 ones, unpacked): every stored value vs the
+    reference's quantization of the fp32 summary (largest difference in integer steps, and
+    the share that is equal)."""
     estimator, summary_dtype = split_summary_dtype(name)
     num_pages = min(num_pages, case["kv"].shape[0] - 1)
     blocks = torch.arange(1, 1 + num_pages, device="cuda")
@@ -472,9 +473,13 @@ def check_estimator_summaries(case, name, num_pages=64):
         expected = ref.summarize_pages(reference_cache(case), blocks)
     else:
         expected = ref.summarize_pages_top(reference_cache(case), blocks, r)
-    if summary_dtype == "int8":
-        q_ref, scale_ref = ref.quantize_summaries_int8(expected)
-        q, scales = ref.split_int8_summaries(case["summaries"][blocks])
+    if summary_dtype in ("int8", "int4"):
+        if summary_dtype == "int8":
+            q_ref, scale_ref = ref.quantize_summaries_int8(expected)
+            q, scales = ref.split_int8_summaries(case["summaries"][blocks])
+        else:  # the keys' int4 values unpacked (int8 steps: the int4 ones)
+            q_ref, scale_ref = ref.split_int4_summaries(ref.pack_int4_summaries(expected))
+            q, scales = ref.split_int4_summaries(case["summaries"][blocks])
         steps = (q.int() - q_ref.int()).abs()
         return {
             "pages_checked": num_pages * HKV,
@@ -992,8 +997,9 @@ def main():
         "--estimators",
         default="",
         help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time; prefix 'int8:' "
-        "(e.g. int8:mvar_top4) for int8 summaries (MOIRA_SUMMARY_DTYPE=int8), suffix '+wide' "
-        "for MOIRA_REFINE=wide (e.g. int8:mvar_top8+wide)",
+        "or 'int4:' (e.g. int8:mvar_top4) for int8 summaries or int4 stored keys "
+        "(MOIRA_SUMMARY_DTYPE), suffix '+wide' for MOIRA_REFINE=wide (e.g. "
+        "int8:mvar_top8+wide)",
     )
     parser.add_argument("--query-scale", type=float, default=1.0,
                         help="queries times this (3: wide pages for refine arms)")  # fmt: skip

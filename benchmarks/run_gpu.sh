@@ -29,10 +29,10 @@ Steps (NAME[:ARG]):
                        tests/upstream/run_vllm_tests.py; needs `run_vllm_tests.py stage`
                        run beforehand on a machine with the sdist (GAMMA default 1)
   refine[:SHAPES]      moira_correctness.py on int8 mvar, int8 mvar_top8 and int8 mvar_top8
-                       with MOIRA_REFINE=wide, queries x3 (wide pages to refine): lists vs
-                       the reference, Estimate + Select timed side by side, the refined
-                       share; into refine.json / refine_timing.json (SHAPES default
-                       4x131072,32x8192)
+                       with MOIRA_REFINE=wide, and mvar_top8 with int4 keys, alone and with
+                       wide, queries x3 (wide pages to refine): lists vs the reference,
+                       Estimate + Select timed side by side, the refined share; into
+                       refine.json / refine_timing.json (SHAPES default 4x131072,32x8192)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
                        launch candidate (ATTEND_SWEEP, tile_pages included) under both
@@ -246,7 +246,8 @@ for step in "${STEPS[@]}"; do
             ;;
         refine)
             run "refine${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
-                --only-estimators --estimators int8:mvar,int8:mvar_top8,int8:mvar_top8+wide \
+                --only-estimators \
+                --estimators int8:mvar,int8:mvar_top8,int8:mvar_top8+wide,int4:mvar_top8,int4:mvar_top8+wide \
                 --query-scale 3 --shapes "${arg:-4x131072,32x8192}" \
                 --json "${OUT}/refine${SUFFIX}.json" --timing-json "${OUT}/refine${SUFFIX}_timing.json"
             ;;

@@ -72,10 +72,13 @@ def page_summaries_ext(keys: torch.Tensor, n_full: int) -> torch.Tensor:
 
 def page_summaries_for(keys: torch.Tensor, n_full: int, estimator: str) -> torch.Tensor:
     """Summaries an estimator reads: ``mvar_top{r}`` layout ``[n_full, H, 2 + r, D]``,
-    else the 4-slot ext layout (slots 0-1 = the paper's mean/var). ``int8:`` / ``bf16:``
-    before the name (e.g. ``int8:mvar_top8``, the backend's default): the summaries as
+    else the 4-slot ext layout (slots 0-1 = the paper's mean/var). ``int8:`` / ``int4:`` /
+    ``bf16:`` before the name (e.g. ``int8:mvar_top8``, the backend's default): the summaries as
     that storage gives them back to Estimate (``ref.stored_summaries``)."""
     estimator, storage = ref.parse_stored_estimator(estimator)
+    if storage == "int4" and estimator not in ref.TOP_ESTIMATORS:
+        raise ValueError(f"int4 summaries store the keys of {sorted(ref.TOP_ESTIMATORS)}, "
+                         f"not {estimator!r}")  # fmt: skip
     if estimator in ref.TOP_ESTIMATORS:
         h, _, d = keys.shape
         pages = keys[:, : n_full * PAGE].reshape(h, n_full, PAGE, d).permute(1, 0, 2, 3)

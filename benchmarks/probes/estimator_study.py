@@ -129,32 +129,6 @@ CAPPED = {  # research.capped_spread_logmass variants: (REM spread?, radius cap?
 }
 
 
-def parse_storage(name: str) -> tuple[str, str | None]:
-    """``ref.parse_stored_estimator`` and the study's ``int4:`` storage: ``"int4:mvar_top8"``
-    -> ``("mvar_top8", "int4")``."""
-    prefix, _, rest = name.partition(":")
-    return (rest, "int4") if prefix == "int4" else ref.parse_stored_estimator(name)
-
-
-def stored_page_summaries(keys: torch.Tensor, n_full: int, estimator: str) -> torch.Tensor:
-    """``H.page_summaries_for`` and the study's ``int4:`` storage (``mvar_top{r}`` only): the
-    mean and variance slots in int8 as the kernels store them, the ``r`` stored keys in 4-bit
-    (``ref.quantize_summaries_int4``), read back. Bytes per (page, KV head): two int8 rows,
-    ``r D / 2`` of packed int4 and one row of fp32 scales, ``(2 + r / 2 + 1) D`` = 7/256 of a
-    bf16 page's K and V at r = 8 (int8: ``(2 + r + 1) D`` = 11/256), for any D."""
-    base, storage = parse_storage(estimator)
-    if storage != "int4":
-        return H.page_summaries_for(keys, n_full, estimator)
-    if base not in ref.TOP_ESTIMATORS:
-        raise ValueError(f"int4: stores the keys of {sorted(ref.TOP_ESTIMATORS)}, not {base!r}")
-    summaries = H.page_summaries_for(keys, n_full, base)
-    out = ref.stored_summaries(summaries, "int8")
-    out[..., 2:, :] = ref.dequantize_summaries_int8(
-        *ref.quantize_summaries_int4(summaries[..., 2:, :])
-    )
-    return out
-
-
 #: ``<storage>:top<r>_<spread>``: ``mvar_top{r}``'s summary as that storage gives it back, its
 #: bulk's spread term ``research.SPREADS[spread]`` instead of REM (e.g. ``int8:top8_uniform``)
 SPREAD_RE = re.compile(r"^(?:(int8|int4|bf16):)?top(\d+)_([a-z]+)$")
@@ -297,11 +271,11 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                 continue
             spread = parse_spread(e)
             if spread:
-                summaries[e] = stored_page_summaries(keys_all, n_full, spread[0])
+                summaries[e] = H.page_summaries_for(keys_all, n_full, spread[0])
                 continue
-            base, storage = parse_storage(e)
+            base, storage = ref.parse_stored_estimator(e)
             if base in ref.TOP_ESTIMATORS or storage is not None:
-                summaries[e] = stored_page_summaries(keys_all, n_full, e)
+                summaries[e] = H.page_summaries_for(keys_all, n_full, e)
         summaries[None] = H.page_summaries_ext(keys_all, n_full)
         radius, chan_dev = research.page_spread_bounds(pages)  # [n, H], [n, H, D]
         anchors: dict = {}  # (estimator, gamma) -> research.AnchoredEstimate, per layer
@@ -348,7 +322,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     )  # fmt: skip
                 else:
                     summ = summaries.get(e, summaries[None])
-                    base = parse_storage(e)[0]
+                    base = ref.parse_stored_estimator(e)[0]
                     est, _ = H.estimate_logmass(q, keys, seq_len, scale, base, summ, exact)
                 # The sink and the current page (partial, or padded above) are exact.
                 est[..., 0] = exact[..., 0]

@@ -95,26 +95,28 @@ def test_int4_quantizer_rule_round_trip_clamp_and_zero_vector():
 
 def test_int4_storage_quantizes_only_the_stored_keys():
     torch = pytest.importorskip("torch")
+    from benchmarks.accuracy import harness as H
     from vllm_moira.v1.attention.ops import moira_reference as ref
 
-    assert study.parse_storage("int4:mvar_top8") == ("mvar_top8", "int4")
-    assert study.parse_storage("int8:mvar_top8") == ("mvar_top8", "int8")
-    assert study.parse_storage("mvar_top8") == ("mvar_top8", None)
+    assert ref.parse_stored_estimator("int4:mvar_top8") == ("mvar_top8", "int4")
     assert study.parse_spread("int4:top8_uniform") == ("int4:mvar_top8", "uniform")
     assert study.base_estimators(["2v/int4:mvar_top8/oracle/3/0.75"]) == [
         "int4:mvar_top8", "oracle"
     ]  # fmt: skip
     keys = torch.randn(2, 64 * 5 + 9, 64, generator=torch.Generator().manual_seed(1))
-    fp32 = study.stored_page_summaries(keys, 5, "mvar_top8")
-    int8 = study.stored_page_summaries(keys, 5, "int8:mvar_top8")
-    int4 = study.stored_page_summaries(keys, 5, "int4:mvar_top8")
+    fp32 = H.page_summaries_for(keys, 5, "mvar_top8")
+    int8 = H.page_summaries_for(keys, 5, "int8:mvar_top8")
+    int4 = H.page_summaries_for(keys, 5, "int4:mvar_top8")
     assert int4.shape == int8.shape == fp32.shape == (5, 2, 10, 64)
     assert torch.equal(int4[:, :, :2], int8[:, :, :2])  # mean and variance: int8 as shipped
+    # the keys: the int4 rule's values, through the packed layout and back
+    quantized = ref.dequantize_summaries_int8(*ref.quantize_summaries_int4(fp32[:, :, 2:]))
+    assert torch.equal(int4[:, :, 2:], quantized)
     step = fp32[:, :, 2:].abs().amax(dim=-1, keepdim=True) / ref.INT4_LEVELS
     err = (int4[:, :, 2:] - fp32[:, :, 2:]).abs()
     assert torch.all(err <= step / 2 * (1 + 1e-5)) and bool((err > step / 4).any())
     with pytest.raises(ValueError, match="int4"):
-        study.stored_page_summaries(keys, 5, "int4:mvar")
+        H.page_summaries_for(keys, 5, "int4:mvar")
 
 
 def test_summarize_reports_ratios_to_the_oracle_and_needle_drops():

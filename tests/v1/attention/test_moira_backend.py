@@ -285,7 +285,7 @@ def test_config_from_env_values():
         ),
         (
             {"MOIRA_SUMMARY_DTYPE": "fp8"},
-            r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8'\)",
+            r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8', 'int4'\)",
         ),
     ],
 )

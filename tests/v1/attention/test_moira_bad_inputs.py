@@ -169,7 +169,11 @@ MATRIX = [
      r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_rem', 'mvar_top2', 'mvar_top4', "
      r"'mvar_top8'\) \(default 'mvar_top8'\), got 'box'", True),
     ("summary-dtype", "llama", {}, {"MOIRA_SUMMARY_DTYPE": "fp8"}, {},
-     r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8'\)", True),
+     r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8', 'int4'\)", True),
+    ("summary-int4-no-keys", "llama", {},
+     {"MOIRA_SUMMARY_DTYPE": "int4", "MOIRA_ESTIMATOR": "mvar"}, {},
+     r"MOIRA_SUMMARY_DTYPE 'int4' stores the keys of .* MOIRA_ESTIMATOR 'mvar' stores none",
+     True),
     ("env-typo", "llama", {}, {"MOIRA_GAMA": "0.9"}, {},
      r"unknown environment variable\(s\) \['MOIRA_GAMA'\]; supported: \[.*'MOIRA_GAMMA'", True),
     ("block-16", "llama", {"block_size": 16}, {}, {},
@@ -222,6 +226,7 @@ ACCEPTED = [
     ("fixed-K", "llama", {}, {"MOIRA_SELECTOR": "Fixed", "MOIRA_FIXED_PAGES": "1"}),
     ("fixed-fraction", "llama", {}, {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_FRACTION": "1"}),
     ("tooling-var", "llama", {}, {"MOIRA_TEST_GPU": "0"}),
+    ("summary-int4", "llama", {}, {"MOIRA_SUMMARY_DTYPE": "int4"}),
 ]
 
 

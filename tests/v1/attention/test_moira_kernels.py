@@ -117,8 +117,9 @@ def test_writer_window_must_be_a_power_of_two(monkeypatch):
 
 @pytest.mark.parametrize(
     ("estimator", "summary_dtype"),
-    [("mvar", "bfloat16"), ("mvar_top4", "bfloat16"), (DEFAULT_ESTIMATOR, "int8")],
-)
+    [("mvar", "bfloat16"), ("mvar_top4", "bfloat16"), (DEFAULT_ESTIMATOR, "int8"),
+     ("mvar_top4", "int4")],
+)  # fmt: skip
 @pytest.mark.parametrize("dense", [False, True])
 def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
     # The decode step's summary write, inside Estimate: rows whose new token
@@ -132,16 +133,18 @@ def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
     )
     expected = summaries.clone()  # every full page summarized by the writer
     filled = [int(table[0, 0]), int(table[1, 3])]
-    sentinel = 99 if summaries.dtype == torch.int8 else float("nan")
+    integer = summaries.dtype != torch.bfloat16  # int8, or int4 keys (uint8)
+    sentinel = 99 if integer else float("nan")
     config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype,
                                dense_batch_tokens=4096 if dense else 0)  # fmt: skip
     ws = moira.MoiraWorkspace(4, 4, 2, 64, table.shape[1], config, "cpu")
-    num_slots, scales = moira._summary_layout(summaries)  # int8: the scales row's fp32 view
+    _, scales = moira._summary_layout(summaries)  # int8 / int4: the scales row's fp32 view
+    value_rows = summaries.shape[2] - 1 if integer else summaries.shape[2]
     logmass = {}
     for write in (False, True):
-        # What the writer stores: the slot rows, and for int8 their scales.
-        summaries[filled, :, :num_slots] = sentinel
-        if summaries.dtype == torch.int8:
+        # What the writer stores: the slot rows, and for int8 / int4 their scales.
+        summaries[filled, :, :value_rows] = sentinel
+        if integer:
             scales[filled] = float("nan")
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
                                     estimator, ws.selector_params,
@@ -150,7 +153,7 @@ def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
         others = [b for b in range(summaries.shape[0]) if b not in filled]
         assert torch.equal(summaries[others], expected[others])
         if not write:
-            written = summaries[filled, :, :num_slots]
+            written = summaries[filled, :, :value_rows]
             assert (
                 torch.equal(written, torch.full_like(written, sentinel))
                 or torch.isnan(written.float()).all()

@@ -77,7 +77,7 @@ def test_select_lists_equal_reference(case):
     assert result["sparse_vs_fp32_max_abs_diff"] < 1.6e-2, result
 
 
-@pytest.mark.parametrize("name", ["int8:mvar_top4", "int8:mvar_top8"])
+@pytest.mark.parametrize("name", ["int8:mvar_top4", "int8:mvar_top8", "int4:mvar_top8"])
 def test_int8_summaries_match_reference(case, name):
     # MOIRA_SUMMARY_DTYPE=int8: the writer's values within one int8 step of the
     # reference's quantization (fp32 summation order), Estimate on the stored values
@@ -216,7 +216,7 @@ def test_int8_to_fp16_by_byte_permutes_is_exact():
         assert torch.equal(dst, src.to(torch.float16)), warps
 
 
-@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4"])
+@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4", "int4:mvar_top8"])
 def test_estimate_writes_filled_pages_like_the_writer(name):
     # The decode step's summary write (Estimate, write_filled_pages) stores the
     # bits that write_page_summaries stores for the same page: on the GPU the

@@ -283,7 +283,7 @@ def test_config_summary_dtype():
     assert moira.MOIRA_SUMMARY_DTYPES == ref.SUMMARY_DTYPES
     assert moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "INT8"}).summary_dtype == "int8"
     with pytest.raises(
-        ValueError, match=r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8'\)"
+        ValueError, match=r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8', 'int4'\)"
     ):
         moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "fp8"})
     ws = moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig.paper(summary_dtype="int8"), "cpu")
@@ -294,7 +294,9 @@ def test_config_summary_dtype():
 def test_summary_storage_table_and_benchmark_names():
     assert moira.summary_storage(6, "bfloat16") == (torch.bfloat16, 6)
     assert moira.summary_storage(6, "int8") == (torch.int8, 7)
-    with pytest.raises(ValueError, match=r"summary_dtype must be one of \('bfloat16', 'int8'\)"):
+    with pytest.raises(
+        ValueError, match=r"summary_dtype must be one of \('bfloat16', 'int8', 'int4'\)"
+    ):
         ms.summary_bytes_for_kv_bytes(1 << 20, 6, "fp8")
     assert ref.parse_stored_estimator("int8:mvar_top8") == ("mvar_top8", "int8")
     assert ref.parse_stored_estimator("bf16:mvar") == ("mvar", "bfloat16")

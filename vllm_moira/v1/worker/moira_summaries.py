@@ -13,7 +13,9 @@ per-channel mean and variance of the 64 keys of each page; 2 + r for
 mvar_top{r}: mean and variance of the other 64 - r keys, then the r keys
 farthest from the page mean), or, with ``MOIRA_SUMMARY_DTYPE=int8``,
 ``[num_kernel_blocks, H_kv, S + 1, D]`` int8: the S slot vectors quantized and
-one more row of D bytes holding their S fp32 scales; indexed by
+one more row of D bytes holding their S fp32 scales, or, with
+``MOIRA_SUMMARY_DTYPE=int4`` (mvar_top{r}), ``[num_kernel_blocks, H_kv, 2 + r / 2
++ 1, D]`` uint8: the stored keys in 4 bits, two per row; indexed by
 the same kernel block id as the view's dim 0, i.e. the values stored in the
 block table. It is sized from the view itself, not from
 ``kv_cache_config.num_blocks``: when the manager block is a multiple of 64,
@@ -32,11 +34,14 @@ import torch
 
 #: Tokens per page: one summary per page, and the kernels' block size.
 MOIRA_PAGE_SIZE = 64
-#: Summary storage -> (torch dtype, extra rows per (page, KV head)). "bfloat16":
-#: each slot vector as D bf16 values (the paper's summary). "int8": D int8
-#: values per slot and one fp32 scale per slot (absmax / 127), the scales in
-#: one extra row of D bytes after the slots.
-_SUMMARY_STORAGE = {"bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 1)}
+#: Summary storage -> torch dtype. "bfloat16": each slot vector as D bf16 values
+#: (the paper's summary). "int8": D int8 values per slot and one fp32 scale per
+#: slot (absmax / 127), the scales in one extra row of D bytes after the slots.
+#: "int4" (estimators with stored keys): mean and variance as int8, the r
+#: stored keys in 4 bits (absmax / 7), two keys per row of D bytes (key 2i in
+#: the low nibble of row 2 + i, key 2i + 1 in the high one), then the row of
+#: scales; uint8 marks the layout (the kernels read it as int8).
+_SUMMARY_STORAGE = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 MOIRA_SUMMARY_DTYPES = tuple(_SUMMARY_STORAGE)
 
 # (device, data_ptr, shape) of a KV view -> [summaries, number of holders].
@@ -51,20 +56,33 @@ def summary_key(kv_cache: torch.Tensor) -> tuple:
 def summary_storage(num_slots: int, summary_dtype: str) -> tuple[torch.dtype, int]:
     """(torch dtype, rows of D elements per (page, KV head)) of a summary tensor of
     ``num_slots`` slots stored as ``summary_dtype``: the slots, plus, for int8, the
-    row that holds their fp32 scales."""
+    row that holds their fp32 scales; for int4, the two int8 rows, the stored keys
+    two per row and the row of scales."""
     if summary_dtype not in _SUMMARY_STORAGE:
         raise ValueError(
             f"Moira: summary_dtype must be one of {MOIRA_SUMMARY_DTYPES}, got {summary_dtype!r}"
         )
-    dtype, extra_rows = _SUMMARY_STORAGE[summary_dtype]
-    return dtype, num_slots + extra_rows
+    dtype = _SUMMARY_STORAGE[summary_dtype]
+    if summary_dtype == "bfloat16":
+        return dtype, num_slots
+    if summary_dtype == "int8":
+        return dtype, num_slots + 1
+    num_keys = num_slots - 2
+    if num_keys <= 0 or num_keys % 2:
+        raise ValueError(
+            "Moira: summary_dtype 'int4' stores the keys of mvar_top{r} in 4 bits, two per "
+            f"byte; {num_slots} slots have {num_keys} stored keys (use 'int8' for mvar and "
+            "mvar_rem)"
+        )
+    return dtype, 2 + num_keys // 2 + 1
 
 
 def summary_shape(
     kv_cache: torch.Tensor, num_slots: int = 2, summary_dtype: str = "bfloat16"
 ) -> tuple[int, int, int, int]:
     """``[num_blocks, H_kv, rows, D]`` for a ``[num_blocks, H_kv, 64, 2*D]`` view:
-    rows = ``num_slots`` (bf16), ``num_slots + 1`` (int8: values, then the scales)."""
+    rows = ``num_slots`` (bf16), ``num_slots + 1`` (int8: values, then the scales),
+    ``2 + r / 2 + 1`` (int4, r = num_slots - 2 stored keys)."""
     if kv_cache.dim() != 4 or kv_cache.shape[2] != MOIRA_PAGE_SIZE:
         raise ValueError(
             "Moira: expected a KV cache view [num_blocks, num_kv_heads, 64, "
@@ -73,9 +91,10 @@ def summary_shape(
         )
     num_blocks, num_kv_heads, _, width = kv_cache.shape
     _, rows = summary_storage(num_slots, summary_dtype)
-    if rows > num_slots and 4 * num_slots > width // 2:
+    if summary_dtype != "bfloat16" and 4 * num_slots > width // 2:
         raise ValueError(
-            f"Moira: int8 summaries of {num_slots} slots need head_size >= {4 * num_slots} "
+            f"Moira: {summary_dtype} summaries of {num_slots} slots need head_size >= "
+            f"{4 * num_slots} "
             f"(one row of D bytes holds the fp32 scales), got {width // 2}"
         )
     return (num_blocks, num_kv_heads, rows, width // 2)
@@ -137,7 +156,8 @@ def summary_bytes_for_kv_bytes(
     ``num_slots / 128`` of the KV bytes (rounded up): 1/64 for mvar / mvar_rem
     (2 slots), 1/32 for mvar_top2 (4), 3/64 for mvar_top4 (6). int8 summaries
     hold ``num_slots + 1`` rows of D bytes: ``(num_slots + 1) / 256`` of the KV
-    bytes (7/256 for mvar_top4).
+    bytes (7/256 for mvar_top4); int4 summaries ``2 + r / 2 + 1`` rows (7/256 for
+    mvar_top8).
     """
     if kv_element_bytes not in (1, 2):
         raise ValueError(

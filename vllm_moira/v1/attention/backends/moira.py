@@ -317,6 +317,12 @@ class MoiraConfig:
                 f"Moira: {n('summary_dtype')} must be one of {MOIRA_SUMMARY_DTYPES} "
                 f"(default {MOIRA_DEFAULT_SUMMARY_DTYPE!r}), got {self.summary_dtype!r}"
             )
+        if self.summary_dtype == "int4" and estimator_num_top(self.estimator) == 0:
+            with_keys = tuple(e for e in MOIRA_ESTIMATORS if MOIRA_ESTIMATOR_NUM_TOP[e])
+            raise ValueError(
+                f"Moira: {n('summary_dtype')} 'int4' stores the keys of {with_keys} in 4 "
+                f"bits; {n('estimator')} {self.estimator!r} stores none (use 'int8')"
+            )
         if self.refine not in MOIRA_REFINE_MODES:
             raise ValueError(
                 f"Moira: {n('refine')} must be one of {MOIRA_REFINE_MODES} (default 'off'), "
@@ -421,16 +427,31 @@ def _summary_layout(summaries: torch.Tensor) -> tuple[int, torch.Tensor]:
     an unread kernel argument)."""
     if summaries.dtype == torch.bfloat16:
         return summaries.shape[2], summaries
-    if summaries.dtype != torch.int8:
-        raise ValueError(f"Moira: summaries must be bfloat16 or int8, got {summaries.dtype}")
-    num_slots = summaries.shape[2] - 1
-    if 4 * num_slots > summaries.shape[3]:
+    if summaries.dtype not in (torch.int8, torch.uint8):
         raise ValueError(
-            f"Moira: int8 summaries of {num_slots} slots need D >= {4 * num_slots}, "
-            f"got shape {tuple(summaries.shape)}"
+            f"Moira: summaries must be bfloat16, int8 or uint8 (int4 keys), got {summaries.dtype}"
         )
-    scales = summaries[:, :, num_slots, : 4 * num_slots].view(torch.float32)
+    rows = summaries.shape[2]
+    # int8: the slots, then the scales; int4 (uint8): mean, variance, the
+    # stored keys two per row, then the scales.
+    num_slots = rows - 1 if summaries.dtype == torch.int8 else 2 * (rows - 2)
+    min_slots = 2 if summaries.dtype == torch.int8 else 4  # int4: at least two keys
+    if 4 * num_slots > summaries.shape[3] or num_slots < min_slots:
+        raise ValueError(
+            f"Moira: {summaries.dtype} summaries of {num_slots} slots need D >= "
+            f"{4 * num_slots}, got shape {tuple(summaries.shape)}"
+        )
+    scales = summaries.view(torch.int8)[:, :, rows - 1, : 4 * num_slots].view(torch.float32)
     return num_slots, scales
+
+
+def _summary_kernel_args(summaries: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    """(the summaries as the kernels read them, INT8, INT4): int8 and int4 slots
+    are integers with fp32 scales (INT8); int4 summaries (uint8, the stored keys
+    two per byte, INT4) are read through an int8 view."""
+    int4 = summaries.dtype == torch.uint8
+    kernel_summaries = summaries.view(torch.int8) if int4 else summaries
+    return kernel_summaries, kernel_summaries.dtype == torch.int8, int4
 
 
 def _triton_interpreting() -> bool:
@@ -602,6 +623,44 @@ def _store_summary_slot(
 
 
 @triton.jit
+def _store_int4_key_pair(
+    out,  # this (page, KV head)'s summary row 0: [rows, HEAD_SIZE] int8
+    scales,  # its slot scales: [2 + NUM_TOP] fp32
+    pair,  # stored keys 2 pair and 2 pair + 1 -> row 2 + pair
+    even_key,  # [HEAD_SIZE] fp32: stored key 2 pair
+    odd_key,  # [HEAD_SIZE] fp32: stored key 2 pair + 1
+    HEAD_SIZE: tl.constexpr,
+):
+    # Each key symmetric in 4 bits with its own scale (absmax / 7, as
+    # ref.quantize_summaries_int4), the pair in one byte per channel: the even
+    # key's two's-complement nibble low, the odd key's high, i.e. the byte
+    # 16 * odd + (even & 15), which lies in [-112, 127].
+    offs_d = tl.arange(0, HEAD_SIZE)
+    even_scale = tl.max(tl.abs(even_key), axis=0) / 7.0
+    odd_scale = tl.max(tl.abs(odd_key), axis=0) / 7.0
+    even_q = tl.floor(even_key / tl.where(even_scale > 0.0, even_scale, 1.0) + 0.5)
+    odd_q = tl.floor(odd_key / tl.where(odd_scale > 0.0, odd_scale, 1.0) + 0.5)
+    even_q = tl.minimum(tl.maximum(even_q, -7.0), 7.0).to(tl.int32)
+    odd_q = tl.minimum(tl.maximum(odd_q, -7.0), 7.0).to(tl.int32)
+    tl.store(out + (2 + pair) * HEAD_SIZE + offs_d, (odd_q * 16 + (even_q & 15)).to(tl.int8))
+    tl.store(scales + 2 + 2 * pair, even_scale)
+    tl.store(scales + 3 + 2 * pair, odd_scale)
+
+
+@triton.jit
+def _int4_stored_key(packed, high):
+    # Stored key 2 i + high of row 2 + i (_store_int4_key_pair) as int8 values
+    # in [-7, 7]: the high nibble is floor(byte / 16), the low one the rest,
+    # sign-extended. In int32 arithmetic, which is the same on the GPU and in
+    # the interpreter.
+    x = packed.to(tl.int32)
+    odd = x >> 4
+    even = x - odd * 16
+    even = tl.where(even >= 8, even - 16, even)
+    return tl.where(high != 0, odd, even).to(tl.int8)
+
+
+@triton.jit
 def _summarize_page(
     page_keys,  # this (block, KV head)'s keys: [PAGE_SIZE, HEAD_SIZE] at stride_kv_token
     out,  # its summary: [2 + NUM_TOP, HEAD_SIZE] bf16 or int8
@@ -613,6 +672,7 @@ def _summarize_page(
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KV_FP8: tl.constexpr,
+    INT4: tl.constexpr = False,
 ):
     # The summary of one full page, from its 64 keys in the cache. Shared by
     # the summary writer (prefill) and Estimate (a decode row's page that its
@@ -623,6 +683,7 @@ def _summarize_page(
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
     # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
     # with its fp32 scale (stored keys then are quantized, not bit copies).
+    # INT4 (with INT8): the stored keys in 4 bits instead, two per row.
     # KV_FP8: the summary of the dequantized keys (e4m3 value x k_scale, in
     # fp32), so that Estimate meets them as it meets bf16 keys.
     offs_t = tl.arange(0, PAGE_SIZE)
@@ -645,6 +706,7 @@ def _summarize_page(
     else:
         dist = tl.sum(centered * centered, axis=1)  # [PAGE_SIZE]
         in_bulk = offs_t >= 0  # all True
+        even_key = tl.zeros([HEAD_SIZE], tl.float32)  # INT4: the pair's first key
         for j in tl.static_range(NUM_TOP):
             # argmax with the lowest index among the maxima, written out so
             # that the tie rule does not depend on tl.argmax's lowering.
@@ -654,7 +716,12 @@ def _summarize_page(
             key = tl.load(page_keys + top * stride_kv_token + offs_d).to(tl.float32)
             if KV_FP8:
                 key = key * k_scale
-            _store_summary_slot(out, scales, 2 + j, key, HEAD_SIZE, INT8)
+            if not INT4:
+                _store_summary_slot(out, scales, 2 + j, key, HEAD_SIZE, INT8)
+            elif j % 2 == 0:
+                even_key = key
+            else:
+                _store_int4_key_pair(out, scales, j // 2, even_key, key, HEAD_SIZE)
             chosen = offs_t == top
             dist = tl.where(chosen, float("-inf"), dist)
             in_bulk = in_bulk & (offs_t != top)
@@ -693,6 +760,7 @@ def kernel_moira_write_summaries(
     NUM_TOP: tl.constexpr = 0,
     INT8: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
+    INT4: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -723,7 +791,7 @@ def kernel_moira_write_summaries(
             kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
             summaries_ptr + block * stride_sum_block + head * stride_sum_head,
             scales_ptr + block * stride_scale_block + head * stride_scale_head,
-            stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8,
+            stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4,
         )  # fmt: skip
 
 
@@ -736,9 +804,10 @@ def write_page_summaries(
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
     Call after the KV scatter of the same tokens. ``summaries`` is
-    ``[num_blocks, H_kv, 2 + r, D]`` bf16, or ``[num_blocks, H_kv, 2 + r + 1, D]``
-    int8 (the last row holds the slots' fp32 scales): its slot count selects the
-    summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
+    ``[num_blocks, H_kv, 2 + r, D]`` bf16, ``[num_blocks, H_kv, 2 + r + 1, D]``
+    int8 (the last row holds the slots' fp32 scales), or ``[num_blocks, H_kv, 2 +
+    r / 2 + 1, D]`` uint8 (int4 stored keys, two per row): its slot count selects
+    the summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
     bulk mean and variance and the r farthest keys, for mvar_top{r}).
     It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
     that decode rows fill (``write_filled_pages``), so that both store the
@@ -761,6 +830,7 @@ def write_page_summaries(
             f"slots (int8: plus one row of scales), got shape {tuple(summaries.shape)}"
         )
     assert kv_cache.stride(-1) == 1 and summaries.is_contiguous()
+    kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
     window_tokens = WRITER_LAUNCH["window_tokens"]
     if window_tokens & (window_tokens - 1) or not 1 <= window_tokens <= 1024:
         raise ValueError(
@@ -770,7 +840,7 @@ def write_page_summaries(
     grid = (triton.cdiv(num_tokens, window_tokens), kv_cache.shape[1])
     kernel_moira_write_summaries[grid](
         kv_cache,
-        summaries,
+        kernel_summaries,
         scales,
         slot_mapping,
         k_scale_arg,
@@ -786,7 +856,8 @@ def write_page_summaries(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         WINDOW_TOKENS=window_tokens,
         NUM_TOP=num_top,
-        INT8=summaries.dtype == torch.int8,
+        INT8=int8,
+        INT4=int4,
         KV_FP8=kv_fp8,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_dependent_launch(),
@@ -850,11 +921,10 @@ def verify_page_summaries(
     got, want = summaries[blocks], fresh[blocks]
     mismatched = (got != want).flatten(1).any(dim=1)
     num_slots, _ = _summary_layout(summaries)
-    if summaries.dtype == torch.int8:
-        step = (got[:, :, :num_slots].int() - want[:, :, :num_slots].int()).abs()
-        off = step.flatten(1).gt(1).any(dim=1)
-        got_scales = got[:, :, num_slots, : 4 * num_slots].contiguous().view(torch.float32)
-        want_scales = want[:, :, num_slots, : 4 * num_slots].contiguous().view(torch.float32)
+    if summaries.dtype != torch.bfloat16:  # int8 or int4: one step of the slot's integers
+        got_values, got_scales = _integer_slots(got, num_slots)
+        want_values, want_scales = _integer_slots(want, num_slots)
+        off = (got_values - want_values).abs().flatten(1).gt(1).any(dim=1)
         scale_off = (got_scales - want_scales).abs() > 1e-5 * want_scales.abs() + 1e-30
         off |= scale_off.flatten(1).any(dim=1)
     else:
@@ -864,6 +934,22 @@ def verify_page_summaries(
         off = ((a - b).abs() > bf16_step).flatten(1).any(dim=1)
     return {"pages": int(blocks.numel()), "mismatched": int(mismatched.sum()),
             "beyond_rounding": int(off.sum())}  # fmt: skip
+
+
+def _integer_slots(summaries: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 or int4 (uint8) summaries ``[..., rows, D]`` as (the slots' integer values,
+    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _int4_stored_key reads
+    them; their fp32 scales ``[..., num_slots]``)."""
+    x = summaries.view(torch.int8)
+    scales = x[..., -1, : 4 * num_slots].clone().view(torch.float32)
+    if summaries.dtype == torch.int8:
+        return x[..., :num_slots, :].int(), scales
+    packed = x[..., 2:-1, :].int()
+    odd = packed >> 4
+    even = packed - odd * 16
+    even = torch.where(even >= 8, even - 16, even)
+    keys = torch.stack([even, odd], dim=-2).flatten(-3, -2)
+    return torch.cat([x[..., :2, :].int(), keys], dim=-2), scales
 
 
 # ==========================================================================
@@ -1056,10 +1142,18 @@ def _add_stored_key(
     EST_ROWS: tl.constexpr,
     INT8: tl.constexpr,
     INT8_CONVERT: tl.constexpr,
+    INT4: tl.constexpr = False,
 ):
-    # One stored key's exact logits, folded into the online logaddexp.
+    # One stored key's exact logits, folded into the online logaddexp. INT4:
+    # keys 2i and 2i + 1 share row 2 + i; the int4 values meet q as int8 ones.
     offs_d = tl.arange(0, HEAD_SIZE)
-    key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None], other=0.0)
+    if INT4:
+        packed = tl.load(summary + (2 + j // 2) * HEAD_SIZE + offs_d[None, :],
+                         mask=mask_p[:, None], other=0)  # fmt: skip
+        key = _int4_stored_key(packed, j % 2)
+    else:
+        key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None],
+                      other=0.0)  # fmt: skip
     if INT8:
         logit = _int8_slot_dot(key, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
         logit = logit * scale
@@ -1101,6 +1195,7 @@ def _summary_tile_logmass(
     INT8: tl.constexpr,
     KEY_STAGES: tl.constexpr,
     INT8_CONVERT: tl.constexpr,
+    INT4: tl.constexpr = False,
 ):
     # The summary estimate of one tile of pages, all G query heads at once on
     # the tensor cores: [TILE_PAGES, EST_ROWS] fp32. Products of bf16 values
@@ -1165,7 +1260,7 @@ def _summary_tile_logmass(
         for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
             peak, total = _add_stored_key(
                 peak, total, summary, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
-                HEAD_SIZE, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                HEAD_SIZE, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT, INT4,
             )  # fmt: skip
         est = peak + tl.log(total)
     return est
@@ -1212,6 +1307,7 @@ def kernel_moira_estimate(
     RESET_LIST_PAGES: tl.constexpr = False,
     WRITE_FILLED_PAGE: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
+    INT4: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -1255,7 +1351,7 @@ def kernel_moira_estimate(
                 kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
                 summaries_ptr + block * stride_sum_block + head * stride_sum_head,
                 scales_ptr + block * stride_scale_block + head * stride_scale_head,
-                stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8,
+                stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4,
             )  # fmt: skip
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
@@ -1307,7 +1403,7 @@ def kernel_moira_estimate(
             summaries_ptr, scales_ptr, block_table_ptr + row * stride_bt_row, pages, mask_p,
             head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
             EST_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
-            KEY_STAGES, INT8_CONVERT,
+            KEY_STAGES, INT8_CONVERT, INT4,
         )  # fmt: skip
         tl.store(
             lm_row + offs_e[None, :] * stride_lm_group + pages[:, None],
@@ -1390,7 +1486,7 @@ def estimate_page_logmass(
     group_size = num_q_heads // num_kv_heads
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
-    int8 = summaries.dtype == torch.int8
+    kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
     tile_pages = _estimate_tile_pages(ESTIMATE_LAUNCH["tile_pages"], num_top, int8)
     int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"], num_top, tile_pages)
     # The two exact-page programs (sink, current page), then the summary tiles.
@@ -1398,7 +1494,7 @@ def estimate_page_logmass(
     kernel_moira_estimate[grid](
         query,
         kv_cache,
-        summaries,
+        kernel_summaries,
         scales,
         block_table,
         seq_lens,
@@ -1425,6 +1521,7 @@ def estimate_page_logmass(
         RESET_LIST_PAGES=list_pages is not None,
         WRITE_FILLED_PAGE=write_filled_pages,
         KV_FP8=kv_fp8,
+        INT4=int4,
         num_warps=ESTIMATE_LAUNCH["num_warps"],
         **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
         **_dependent_launch(),
@@ -2040,6 +2137,7 @@ def refine_page_logmass(
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
     _, scales = _summary_layout(summaries)
+    kernel_summaries, int8, _ = _summary_kernel_args(summaries)  # reads the variance slot only
     num_kv_heads = kv_cache.shape[1]
     group_size = num_q_heads // num_kv_heads
     stats_rows = triton.next_power_of_2(group_size)  # Select's GROUP_ROWS
@@ -2049,7 +2147,7 @@ def refine_page_logmass(
     kernel_moira_refine[grid](
         query,
         kv_cache,
-        summaries,
+        kernel_summaries,
         scales,
         block_table,
         seq_lens,
@@ -2069,7 +2167,7 @@ def refine_page_logmass(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         TILE_PAGES=_REFINE_TILE_PAGES,
         NUM_TOP=num_top,
-        INT8=summaries.dtype == torch.int8,
+        INT8=int8,
         KV_FP8=kv_fp8,
         num_warps=4,
         **_dependent_launch(),

@@ -77,7 +77,7 @@ def summarize_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Te
 
 #: How summaries are stored (``MOIRA_SUMMARY_DTYPE``): bf16 values, or int8
 #: values with one fp32 scale per slot vector (absmax / 127).
-SUMMARY_DTYPES = ("bfloat16", "int8")
+SUMMARY_DTYPES = ("bfloat16", "int8", "int4")
 INT8_LEVELS = 127.0
 
 
@@ -100,8 +100,8 @@ def quantize_summaries_int8(summaries: torch.Tensor) -> tuple[torch.Tensor, torc
     return _quantize_symmetric(summaries, INT8_LEVELS)
 
 
-#: 4-bit stored keys, studied only (benchmarks/probes/estimator_study.py ``int4:``; no
-#: kernel writes them): one fp32 scale per slot vector (absmax / 7), two values a byte.
+#: int4 summaries: the stored keys in 4 bits, one fp32 scale per slot vector (absmax / 7),
+#: two keys a byte (:func:`pack_int4_summaries`); mean and variance stay int8.
 INT4_LEVELS = 7.0
 
 
@@ -111,6 +111,40 @@ def quantize_summaries_int4(summaries: torch.Tensor) -> tuple[torch.Tensor, torc
     scale fp32 [..., S])``, q unpacked in int8; :func:`dequantize_summaries_int8` reads
     them back."""
     return _quantize_symmetric(summaries, INT4_LEVELS)
+
+
+def pack_int4_summaries(summaries: torch.Tensor) -> torch.Tensor:
+    """fp32 summaries ``[..., 2 + r, D]`` (r > 0 even) as the kernels store int4 summaries:
+    ``[..., 2 + r / 2 + 1, D]`` uint8 = the mean and variance rows in int8 (two's complement
+    bytes), then row 2 + i holding stored keys 2i (low nibble) and 2i + 1 (high nibble) in
+    4-bit two's complement per channel, then one row whose first 4 (2 + r) bytes are the
+    slots' fp32 scales."""
+    num_keys = summaries.shape[-2] - 2
+    if num_keys <= 0 or num_keys % 2:
+        raise ValueError(f"int4 summaries need an even number of stored keys, got {num_keys}")
+    q8, scale8 = quantize_summaries_int8(summaries[..., :2, :])
+    q4, scale4 = quantize_summaries_int4(summaries[..., 2:, :])
+    low, high = q4[..., 0::2, :].int(), q4[..., 1::2, :].int()
+    packed = (high * 16 + (low & 0xF)).to(torch.int8)  # in [-112, 127]: an int8 byte
+    scales = torch.cat([scale8, scale4], dim=-1).contiguous().view(torch.int8)
+    rows = torch.zeros((*summaries.shape[:-2], 1, summaries.shape[-1]), dtype=torch.int8,
+                       device=summaries.device)  # fmt: skip
+    rows[..., 0, : scales.shape[-1]] = scales
+    return torch.cat([q8, packed, rows], dim=-2).view(torch.uint8)
+
+
+def split_int4_summaries(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uint8 int4 summary tensor as the kernels store it (:func:`pack_int4_summaries`):
+    ``(q int8 [..., 2 + r, D], scale fp32 [..., 2 + r])``, the keys unpacked."""
+    x = summaries.view(torch.int8)
+    num_slots = 2 + 2 * (summaries.shape[-2] - 3)
+    packed = x[..., 2 : summaries.shape[-2] - 1, :].int()
+    high = packed >> 4  # arithmetic: floor(byte / 16)
+    low = packed - high * 16  # the low nibble, 0..15
+    low = torch.where(low >= 8, low - 16, low)
+    keys = torch.stack([low, high], dim=-2).flatten(-3, -2).to(torch.int8)
+    scales = x[..., -1, : 4 * num_slots].clone().view(torch.float32)
+    return torch.cat([x[..., :2, :], keys], dim=-2), scales
 
 
 def dequantize_summaries_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -129,10 +163,13 @@ def split_int8_summaries(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def read_summaries(summaries: torch.Tensor) -> torch.Tensor:
     """A summary tensor as the kernels store it, back as fp32 ``[nb, H_kv, S, D]``
-    (bf16 as is; int8 dequantized, :func:`split_int8_summaries`)."""
-    if summaries.dtype != torch.int8:
-        return summaries.float()
-    return dequantize_summaries_int8(*split_int8_summaries(summaries))
+    (bf16 as is; int8 dequantized, :func:`split_int8_summaries`; int4, uint8,
+    :func:`split_int4_summaries`)."""
+    if summaries.dtype == torch.int8:
+        return dequantize_summaries_int8(*split_int8_summaries(summaries))
+    if summaries.dtype == torch.uint8:
+        return dequantize_summaries_int8(*split_int4_summaries(summaries))
+    return summaries.float()
 
 
 def parse_stored_estimator(name: str) -> tuple[str, str | None]:
@@ -140,7 +177,9 @@ def parse_stored_estimator(name: str) -> tuple[str, str | None]:
     ``("mvar_top4", "int8")``, ``"bf16:mvar"`` -> ``("mvar", "bfloat16")``; a plain
     name -> ``(name, None)`` (no storage given)."""
     prefix, _, rest = name.partition(":")
-    storage = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8"}.get(prefix)
+    storage = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8", "int4": "int4"}.get(
+        prefix
+    )
     return (rest, storage) if storage else (name, None)
 
 
@@ -150,6 +189,8 @@ def stored_summaries(summaries: torch.Tensor, summary_dtype: str) -> torch.Tenso
         return summaries.to(torch.bfloat16).float()
     if summary_dtype == "int8":
         return dequantize_summaries_int8(*quantize_summaries_int8(summaries))
+    if summary_dtype == "int4":
+        return read_summaries(pack_int4_summaries(summaries))
     raise ValueError(f"summary_dtype must be one of {SUMMARY_DTYPES}, got {summary_dtype!r}")
 
 

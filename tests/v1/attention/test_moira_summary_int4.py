@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""int4 stored keys (``MOIRA_SUMMARY_DTYPE=int4``, the ``mvar_top{r}`` estimators) against
+the float32 reference (CPU interpreter): the packed layout, the writer, Estimate on the
+stored values, the whole sparse step, storage and configuration. docs/estimator.md
+"Summary layout"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.v1.attention.moira_test_utils import PAGE, make_decode_batch, make_kv_cache
+from vllm_moira.v1.attention.backends import moira
+from vllm_moira.v1.attention.ops import moira_reference as ref
+from vllm_moira.v1.worker import moira_summaries as ms
+
+SMALL_SPLITS = dict(
+    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
+)
+
+
+# --------------------------------------------------------------------------
+# The packed layout (reference)
+# --------------------------------------------------------------------------
+def test_reference_packing_round_trips_every_int4_pair():
+    """Row 2 + i holds key 2i in the low nibble and key 2i + 1 in the high one, for
+    every pair of values in [-7, 7]; mean and variance stay int8; the scales row last."""
+    values = torch.arange(-7, 8, dtype=torch.float32)
+    even, odd = torch.meshgrid(values, values, indexing="ij")  # 225 channel pairs
+    keys = torch.stack([even.flatten(), odd.flatten()])  # [2, 225], absmax 7: scale 1
+    summaries = torch.cat([torch.randn(2, 225) * 3, keys]).unsqueeze(0)  # [1, 4, 225]
+    packed = ref.pack_int4_summaries(summaries)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 2 + 1 + 1, 225)
+    byte = packed[0, 2].view(torch.int8).int()
+    assert torch.equal(byte, (odd.flatten() * 16 + (even.flatten().int() & 15)).int())
+    q, scales = ref.split_int4_summaries(packed)
+    assert torch.equal(q[0, 2:].float(), keys)
+    assert torch.equal(q[0, :2], ref.quantize_summaries_int8(summaries[0, :2])[0])
+    assert torch.equal(scales[0, 2:], torch.ones(2))
+    with pytest.raises(ValueError, match="even number of stored keys"):
+        ref.pack_int4_summaries(torch.zeros(1, 5, 64))
+
+
+# --------------------------------------------------------------------------
+# The writer
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize(("estimator", "head_size"), [("mvar_top2", 64), ("mvar_top8", 128)])
+def test_write_int4_summaries_matches_reference(layout, estimator, head_size):
+    gen = torch.Generator().manual_seed(head_size + len(estimator))
+    slots = moira.summary_slots(estimator)
+    kv = make_kv_cache(6, 2, head_size, layout, generator=gen)
+    kv[3] *= 20.0  # a page of large keys: its own scales, not its neighbours'
+    dtype, rows = moira.summary_storage(slots, "int4")
+    summaries = torch.full((6, 2, rows, head_size), 99, dtype=dtype)
+    written = [2, 3, 5]
+    slot_mapping = torch.tensor([-1] + [b * PAGE + 63 for b in written] + [4 * PAGE + 10])
+    moira.write_page_summaries(kv, summaries, slot_mapping)
+    fp32 = ref.summarize_pages_top(kv, torch.tensor(written), slots - 2)
+    got, scales = ref.split_int4_summaries(summaries[written])
+    want, want_scales = ref.split_int4_summaries(ref.pack_int4_summaries(fp32))
+    # Mean / variance may differ from torch's by fp32 summation order (one int8 step at
+    # most); the stored keys are bf16 values, so exactly the reference's.
+    torch.testing.assert_close(scales, want_scales, rtol=1e-5, atol=0)
+    assert (got.int() - want.int()).abs().max() <= 1
+    assert torch.equal(got[:, :, 2:], want[:, :, 2:])
+    assert torch.equal(scales[:, :, 2:], want_scales[:, :, 2:])
+    assert int(got[:, :, 2:].abs().max()) == 7
+    assert (summaries[[0, 1, 4]] == 99).all(), "pages that did not fill are untouched"
+
+
+def test_write_int4_summaries_of_an_all_zero_page():
+    kv = make_kv_cache(2, 1, 64, "head_major")
+    kv[1, :, :, :64] = 0.0
+    summaries = torch.full((2, 1, 4, 64), 5, dtype=torch.uint8)  # mvar_top2: 2 + 1 + 1 rows
+    moira.write_page_summaries(kv, summaries, torch.tensor([PAGE + 63]))
+    q, scales = ref.split_int4_summaries(summaries[1, 0])
+    assert (q == 0).all() and scales.tolist() == [0.0] * 4
+    assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 4, 64))
+
+
+def test_verify_page_summaries_sees_a_changed_int4_key():
+    kv, summaries, *_ = make_decode_batch([64 * 5], 1, 2, 64, "head_major", "mvar_top4",
+                                          summary_dtype="int4")  # fmt: skip
+    assert moira.verify_page_summaries(kv, summaries) == {
+        "pages": 5, "mismatched": 0, "beyond_rounding": 0
+    }  # fmt: skip
+    block = int(summaries.flatten(1).ne(0).any(dim=1).nonzero()[0])
+    summaries.view(torch.int8)[block, 0, 3, 7] += 32  # key 3, channel 7: two int4 steps
+    assert moira.verify_page_summaries(kv, summaries)["beyond_rounding"] == 1
+
+
+# --------------------------------------------------------------------------
+# Estimate and the whole step
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("estimator", "layout", "group", "head_size", "pattern", "int8_convert"),
+    [
+        ("mvar_top8", "token_major", 3, 64, "outlier", "auto"),
+        ("mvar_top4", "head_major", 4, 128, "concentrated", "imma"),
+        ("mvar_top2", "head_major", 8, 64, "diffuse", "prmt"),
+        ("mvar_top8", "head_major", 2, 128, "outlier", "bf16"),
+    ],
+)
+def test_estimate_int4_matches_reference(estimator, layout, group, head_size, pattern,
+                                         int8_convert, monkeypatch):  # fmt: skip
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
+    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
+    seq_lens = [1, 65, 300, 64 * 20 + 7]
+    kv, summaries, table, seq, query = make_decode_batch(
+        seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
+        summary_dtype="int4",
+    )  # fmt: skip
+    assert summaries.dtype == torch.uint8
+    scale = head_size**-0.5
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype="int4")
+    ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1], config,
+                              "cpu")  # fmt: skip
+    ws.logmass.fill_(float("nan"))
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
+    stored = ref.read_summaries(summaries)
+    for row, seq_len in enumerate(seq_lens):
+        n = math.ceil(seq_len / PAGE)
+        expected = ref.estimate_row_logmass(query[row], kv, stored, table[row], seq_len, scale,
+                                            estimator)  # fmt: skip
+        torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("refine", ["off", "wide"])
+def test_sparse_decode_int4_matches_reference(refine):
+    """Lists equal the reference's on the stored (dequantized) summaries, with and
+    without the refinement; the output matches the reference's attention over them."""
+    estimator = "mvar_top8"
+    config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype="int4",
+                                     refine=refine, **SMALL_SPLITS)  # fmt: skip
+    seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
+    kv, summaries, table, seq, query = make_decode_batch(
+        seq_lens, 2, 4, 128, "head_major", estimator, "concentrated", seed=2, query_scale=3.0,
+        summary_dtype="int4",
+    )  # fmt: skip
+    ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
+    out = torch.empty_like(query)
+    scale = 128**-0.5
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
+    stored = ref.read_summaries(summaries)
+    expected, lists = ref.sparse_decode(query, kv, stored, table, seq_lens, scale, gamma=0.9,
+                                        estimator=estimator, refine=refine)  # fmt: skip
+    for row in range(len(seq_lens)):
+        for h in range(2):
+            n = int(ws.page_count[row, h])
+            assert ws.page_list[row, h, :n].tolist() == lists[row][h].tolist(), (row, h)
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
+
+
+def test_gamma_one_int4_equals_dense():
+    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype="int4", **SMALL_SPLITS)
+    seq_lens = [1, 64, 7 * PAGE, 64 * 4 + 17]
+    kv, summaries, table, seq, query = make_decode_batch(seq_lens, 2, 4, 128, "head_major",
+                                                         config.estimator,
+                                                         summary_dtype="int4")  # fmt: skip
+    ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
+    out = torch.empty_like(query)
+    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 128**-0.5)
+    dense = ref.dense_decode(query, kv, table, seq, 128**-0.5)
+    torch.testing.assert_close(out.float(), dense, atol=8e-3, rtol=1.6e-2)
+
+
+# --------------------------------------------------------------------------
+# Storage and configuration
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(("estimator", "head_size", "rows"),
+                         [("mvar_top2", 64, 4), ("mvar_top8", 128, 7)])  # fmt: skip
+def test_int4_summary_storage_and_accounting(estimator, head_size, rows):
+    slots = moira.summary_slots(estimator)
+    assert moira.summary_storage(slots, "int4") == (torch.uint8, rows)
+    kv = torch.zeros(10, 2, PAGE, 2 * head_size, dtype=torch.bfloat16)
+    summaries = ms.acquire_summaries(kv, slots, "int4")
+    try:
+        assert summaries.dtype == torch.uint8
+        assert tuple(summaries.shape) == (10, 2, rows, head_size)
+        kv_bytes = kv.numel() * kv.element_size()
+        assert summaries.numel() == ms.summary_bytes_for_kv_bytes(kv_bytes, slots, "int4")
+        if estimator == "mvar_top8":  # 7/256 of the KV cache (int8: 11/256)
+            assert summaries.numel() * 256 == kv_bytes * 7
+    finally:
+        ms.release_summaries(ms.summary_key(kv))
+
+
+def test_int4_needs_stored_keys():
+    with pytest.raises(ValueError, match=r"'int4' stores the keys of mvar_top\{r\}"):
+        ms.summary_storage(2, "int4")
+    with pytest.raises(
+        ValueError,
+        match=r"MOIRA_SUMMARY_DTYPE 'int4' stores the keys of "
+        r"\('mvar_top2', 'mvar_top4', 'mvar_top8'\) in 4 bits; "
+        r"MOIRA_ESTIMATOR 'mvar' stores none \(use 'int8'\)",
+    ):
+        moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "int4", "MOIRA_ESTIMATOR": "mvar"})
+    config = moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "int4"})
+    assert (config.summary_dtype, config.estimator) == ("int4", "mvar_top8")
+    assert ref.parse_stored_estimator("int4:mvar_top8") == ("mvar_top8", "int4")
