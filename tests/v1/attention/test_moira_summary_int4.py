@@ -1,24 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """int4 stored keys (``MOIRA_SUMMARY_DTYPE=int4``, the ``mvar_top{r}`` estimators) against
 the float32 reference (CPU interpreter): the packed layout, the writer, Estimate on the
-stored values, the whole sparse step, storage and configuration. docs/estimator.md
-"Summary layout"."""
+stored values, storage and configuration (the whole sparse step, with and without the
+refinement, and γ = 1: test_moira_summary_int8.py). docs/estimator.md "Summary layout"."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from tests.v1.attention.moira_test_utils import PAGE, make_decode_batch, make_kv_cache
+from tests.v1.attention.test_moira_summary_int8 import check_estimate_int8
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 from vllm_moira.v1.worker import moira_summaries as ms
-
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
 
 
 # --------------------------------------------------------------------------
@@ -108,63 +103,8 @@ def test_estimate_int4_matches_reference(estimator, layout, group, head_size, pa
                                          int8_convert, monkeypatch):  # fmt: skip
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
     monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
-    seq_lens = [1, 65, 300, 64 * 20 + 7]
-    kv, summaries, table, seq, query = make_decode_batch(
-        seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
-        summary_dtype="int4",
-    )  # fmt: skip
-    assert summaries.dtype == torch.uint8
-    scale = head_size**-0.5
-    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype="int4")
-    ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1], config,
-                              "cpu")  # fmt: skip
-    ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
-    stored = ref.read_summaries(summaries)
-    for row, seq_len in enumerate(seq_lens):
-        n = math.ceil(seq_len / PAGE)
-        expected = ref.estimate_row_logmass(query[row], kv, stored, table[row], seq_len, scale,
-                                            estimator)  # fmt: skip
-        torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)
-
-
-@pytest.mark.parametrize("refine", ["off", "wide"])
-def test_sparse_decode_int4_matches_reference(refine):
-    """Lists equal the reference's on the stored (dequantized) summaries, with and
-    without the refinement; the output matches the reference's attention over them."""
-    estimator = "mvar_top8"
-    config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype="int4",
-                                     refine=refine, **SMALL_SPLITS)  # fmt: skip
-    seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
-    kv, summaries, table, seq, query = make_decode_batch(
-        seq_lens, 2, 4, 128, "head_major", estimator, "concentrated", seed=2, query_scale=3.0,
-        summary_dtype="int4",
-    )  # fmt: skip
-    ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
-    out = torch.empty_like(query)
-    scale = 128**-0.5
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
-    stored = ref.read_summaries(summaries)
-    expected, lists = ref.sparse_decode(query, kv, stored, table, seq_lens, scale, gamma=0.9,
-                                        estimator=estimator, refine=refine)  # fmt: skip
-    for row in range(len(seq_lens)):
-        for h in range(2):
-            n = int(ws.page_count[row, h])
-            assert ws.page_list[row, h, :n].tolist() == lists[row][h].tolist(), (row, h)
-    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
-
-
-def test_gamma_one_int4_equals_dense():
-    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype="int4", **SMALL_SPLITS)
-    seq_lens = [1, 64, 7 * PAGE, 64 * 4 + 17]
-    kv, summaries, table, seq, query = make_decode_batch(seq_lens, 2, 4, 128, "head_major",
-                                                         config.estimator,
-                                                         summary_dtype="int4")  # fmt: skip
-    ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
-    out = torch.empty_like(query)
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 128**-0.5)
-    dense = ref.dense_decode(query, kv, table, seq, 128**-0.5)
-    torch.testing.assert_close(out.float(), dense, atol=8e-3, rtol=1.6e-2)
+    check_estimate_int8([1, 65, 300, 64 * 20 + 7], estimator, layout, group, head_size, pattern,
+                        summary_dtype="int4")  # fmt: skip
 
 
 # --------------------------------------------------------------------------

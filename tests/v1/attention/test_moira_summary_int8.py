@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """int8 page summaries (``MOIRA_SUMMARY_DTYPE=int8``) against the float32 reference (CPU
 interpreter): the writer's quantization, Estimate on the stored values, the whole sparse
-step, storage shape and accounting, configuration. docs/estimator.md "int8 summaries"."""
+step (for int4 keys too), storage shape and accounting, configuration. docs/estimator.md
+"Summary layout"."""
 
 from __future__ import annotations
 
@@ -181,17 +182,19 @@ def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pa
                         pattern)  # fmt: skip
 
 
-def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern):
-    """Estimate on int8 summaries (2 KV heads x G) vs the float32 reference,
-    row by row, under the current ESTIMATE_LAUNCH."""
+def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
+                        summary_dtype="int8"):  # fmt: skip
+    """Estimate on int8 summaries (or int4 keys) (2 KV heads x G) vs the float32
+    reference, row by row, under the current ESTIMATE_LAUNCH."""
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
-        summary_dtype="int8",
+        summary_dtype=summary_dtype,
     )  # fmt: skip
-    assert summaries.dtype == torch.int8
+    assert summaries.dtype == moira.summary_storage(moira.summary_slots(estimator),
+                                                    summary_dtype)[0]  # fmt: skip
     scale = head_size**-0.5
-    ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1],
-                              moira.MoiraConfig.paper(estimator=estimator, summary_dtype="int8"),
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype)
+    ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1], config,
                               "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
     moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
@@ -203,16 +206,27 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern):
         torch.testing.assert_close(ws.logmass[row, :, :, :n], expected, atol=5e-5, rtol=5e-5)
 
 
-@pytest.mark.parametrize("estimator", ["mvar", "mvar_top4", "mvar_top8"])
-def test_sparse_decode_int8_matches_reference(estimator):
+@pytest.mark.parametrize(
+    ("estimator", "summary_dtype", "refine", "query_scale"),
+    [
+        ("mvar", "int8", "off", 1.0),
+        ("mvar_top4", "int8", "off", 1.0),
+        ("mvar_top8", "int8", "off", 1.0),
+        # int4 stored keys (test_moira_summary_int4.py), with and without the refinement
+        # (queries x3: wide pages for it to refine)
+        ("mvar_top8", "int4", "off", 3.0),
+        ("mvar_top8", "int4", "wide", 3.0),
+    ],
+)
+def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, refine, query_scale):
     """Lists equal the reference's on the stored (dequantized) summaries; the output
     matches the reference's attention over those lists."""
-    config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype="int8",
-                               **SMALL_SPLITS)  # fmt: skip
+    config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype=summary_dtype,
+                                     refine=refine, **SMALL_SPLITS)  # fmt: skip
     seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, 4, 128, "head_major", estimator, "concentrated", seed=2,
-        summary_dtype="int8",
+        query_scale=query_scale, summary_dtype=summary_dtype,
     )  # fmt: skip
     ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
     out = torch.empty_like(query)
@@ -220,7 +234,7 @@ def test_sparse_decode_int8_matches_reference(estimator):
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
     stored = ref.read_summaries(summaries)
     expected, lists = ref.sparse_decode(query, kv, stored, table, seq_lens, scale, gamma=0.9,
-                                        estimator=estimator)  # fmt: skip
+                                        estimator=estimator, refine=refine)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
             n = int(ws.page_count[row, h])
@@ -228,12 +242,13 @@ def test_sparse_decode_int8_matches_reference(estimator):
     torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
 
 
-def test_gamma_one_int8_equals_dense():
-    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype="int8", **SMALL_SPLITS)
+@pytest.mark.parametrize("summary_dtype", ["int8", "int4"])
+def test_gamma_one_int8_equals_dense(summary_dtype):
+    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype=summary_dtype, **SMALL_SPLITS)
     seq_lens = [1, 64, 7 * PAGE, 64 * 4 + 17]
     kv, summaries, table, seq, query = make_decode_batch(seq_lens, 2, 4, 128, "head_major",
                                                          config.estimator,
-                                                         summary_dtype="int8")  # fmt: skip
+                                                         summary_dtype=summary_dtype)  # fmt: skip
     ws = moira.MoiraWorkspace(8, 8, 2, 128, table.shape[1], config, "cpu")
     out = torch.empty_like(query)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 128**-0.5)
