@@ -553,9 +553,13 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
             batch,
         )  # fmt: skip
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
-    # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8, the
-    # slots' fp32 scales).
-    per_page = row["summary_slots"] * (D + 4 if summary_dtype == "int8" else 2 * D)
+    # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8 and int4
+    # keys, the slots' fp32 scales; int4: two keys per row of D bytes).
+    num_slots = row["summary_slots"]
+    per_page = {
+        "int8": num_slots * (D + 4),
+        "int4": (2 + (num_slots - 2) // 2) * D + 4 * num_slots,
+    }.get(summary_dtype, num_slots * 2 * D)
     row["estimate_summary_gbytes_per_s"] = (
         pages * HKV * per_page / (row["estimate_us"] * 1e-6) / 1e9
     )
