@@ -648,16 +648,16 @@ def _store_int4_key_pair(
 
 
 @triton.jit
-def _int4_stored_key(packed, high):
-    # Stored key 2 i + high of row 2 + i (_store_int4_key_pair) as int8 values
-    # in [-7, 7]: the high nibble is floor(byte / 16), the low one the rest,
-    # sign-extended. In int32 arithmetic, which is the same on the GPU and in
-    # the interpreter.
+def _int4_key_pair(packed):
+    # Stored keys 2 i and 2 i + 1 of row 2 + i (_store_int4_key_pair) as int8
+    # values in [-7, 7]: the high nibble is floor(byte / 16), the low one the
+    # rest, sign-extended. In int32 arithmetic, which is the same on the GPU
+    # and in the interpreter.
     x = packed.to(tl.int32)
     odd = x >> 4
     even = x - odd * 16
     even = tl.where(even >= 8, even - 16, even)
-    return tl.where(high != 0, odd, even).to(tl.int8)
+    return even.to(tl.int8), odd.to(tl.int8)
 
 
 @triton.jit
@@ -938,7 +938,7 @@ def verify_page_summaries(
 
 def _integer_slots(summaries: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 or int4 (uint8) summaries ``[..., rows, D]`` as (the slots' integer values,
-    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _int4_stored_key reads
+    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _int4_key_pair reads
     them; their fp32 scales ``[..., num_slots]``)."""
     x = summaries.view(torch.int8)
     scales = x[..., -1, : 4 * num_slots].clone().view(torch.float32)
@@ -1128,7 +1128,7 @@ def _int8_slot_dot(
 def _add_stored_key(
     peak,  # [TILE_PAGES, EST_ROWS] fp32 running max of the page's log-terms
     total,  # [TILE_PAGES, EST_ROWS] fp32 running sum of exp(term - peak)
-    summary,  # [TILE_PAGES, 1] pointers to the pages' summaries
+    key,  # [TILE_PAGES, HEAD_SIZE] stored key j of each page, as stored (bf16 or int8)
     page_scales,  # [TILE_PAGES] pointers to the pages' slot scales (if INT8)
     j,  # stored key index (slot 2 + j)
     q,
@@ -1137,23 +1137,12 @@ def _add_stored_key(
     q_step,
     scale,
     mask_p,
-    HEAD_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
     EST_ROWS: tl.constexpr,
     INT8: tl.constexpr,
     INT8_CONVERT: tl.constexpr,
-    INT4: tl.constexpr = False,
 ):
-    # One stored key's exact logits, folded into the online logaddexp. INT4:
-    # keys 2i and 2i + 1 share row 2 + i; the int4 values meet q as int8 ones.
-    offs_d = tl.arange(0, HEAD_SIZE)
-    if INT4:
-        packed = tl.load(summary + (2 + j // 2) * HEAD_SIZE + offs_d[None, :],
-                         mask=mask_p[:, None], other=0)  # fmt: skip
-        key = _int4_stored_key(packed, j % 2)
-    else:
-        key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :], mask=mask_p[:, None],
-                      other=0.0)  # fmt: skip
+    # One stored key's exact logits, folded into the online logaddexp.
     if INT8:
         logit = _int8_slot_dot(key, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
         logit = logit * scale
@@ -1256,12 +1245,30 @@ def _summary_tile_logmass(
         total = tl.full([TILE_PAGES, EST_ROWS], 1.0, tl.float32)
         # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
         # keys' tiles are copied into shared memory while this key's product
-        # runs), faster than the unrolled keys (docs/design.md).
-        for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
-            peak, total = _add_stored_key(
-                peak, total, summary, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
-                HEAD_SIZE, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT, INT4,
-            )  # fmt: skip
+        # runs), faster than the unrolled keys (docs/design.md). INT4: one
+        # load per pair of keys (row 2 + i holds keys 2 i and 2 i + 1), which
+        # meet q as int8 keys do, in the same order.
+        if INT4:
+            for i in tl.range(0, NUM_TOP // 2, num_stages=KEY_STAGES):
+                packed = tl.load(summary + (2 + i) * HEAD_SIZE + offs_d[None, :],
+                                 mask=mask_p[:, None], other=0)  # fmt: skip
+                even, odd = _int4_key_pair(packed)
+                peak, total = _add_stored_key(
+                    peak, total, even, page_scales, 2 * i, q, q_f16, q_digits, q_step, scale,
+                    mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                )  # fmt: skip
+                peak, total = _add_stored_key(
+                    peak, total, odd, page_scales, 2 * i + 1, q, q_f16, q_digits, q_step, scale,
+                    mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                )  # fmt: skip
+        else:
+            for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
+                key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
+                              mask=mask_p[:, None], other=0.0)  # fmt: skip
+                peak, total = _add_stored_key(
+                    peak, total, key, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
+                    TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                )  # fmt: skip
         est = peak + tl.log(total)
     return est
 
