@@ -207,20 +207,24 @@ def parse_anchored(name: str) -> tuple[str, tuple[bool, int, bool]] | None:
     return parts[1], ANCHOR_MODES[parts[2]]
 
 
-def parse_spread_gated(name: str) -> tuple[str, str, float, float] | None:
-    """``2v/<stage 1>/<stage 2>/<below>/<vmult>``: ``(stage 1, stage 2, below, vmult)``.
+def parse_spread_gated(name: str) -> tuple[str, str, float, float, float] | None:
+    """``2v/<stage 1>/<stage 2>/<below>/<vmult>[/<cap>]``: ``(stage 1, stage 2, below,
+    vmult, cap)``.
 
     Stage 2 for the pages of ``research.refine_band`` (``above = inf``: every page stage 1
     keeps and the band ``below`` nats under its threshold) whose bulk variance along ``x``
     (stage 1's summary, mean over the group) is at least ``vmult`` times REM's critical
-    variance ``2 ln m``: the wide pages, where the spread term can over-estimate.
+    variance ``2 ln m``: the wide pages, where the spread term can over-estimate. ``cap``
+    (default inf): at most that fraction of a list's middle pages, the largest shares first
+    (``research.cap_refined``).
     """
     parts = name.split("/")
     if parts[0] != "2v":
         return None
-    if len(parts) != 5:
-        raise ValueError(f"expected 2v/<s1>/<s2>/<below>/<vmult>: {name!r}")
-    return parts[1], parts[2], float(parts[3]), float(parts[4])
+    if len(parts) not in (5, 6):
+        raise ValueError(f"expected 2v/<s1>/<s2>/<below>/<vmult>[/<cap>]: {name!r}")
+    cap = float(parts[5]) if len(parts) == 6 else math.inf
+    return parts[1], parts[2], float(parts[3]), float(parts[4]), cap
 
 
 def base_estimators(estimators) -> list[str]:
@@ -342,6 +346,10 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                         est, mask = research.two_stage_logmass(
                             ests[gated[0]], ests[gated[1]], gamma, gated[2], math.inf, wide
                         )
+                        if not math.isinf(gated[4]):
+                            pibar = ref.group_mean_shares(ests[gated[0]])
+                            mask = research.cap_refined(mask, pibar, gated[4])
+                            est = torch.where(mask.unsqueeze(1), ests[gated[1]], ests[gated[0]])
                     elif anchored:
                         anchor = anchors.setdefault(
                             (est_name, gamma),

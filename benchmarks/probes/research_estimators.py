@@ -217,6 +217,22 @@ def two_stage_logmass(
     return torch.where(mask.unsqueeze(1), stage2, stage1), mask
 
 
+def cap_refined(mask: torch.Tensor, pibar: torch.Tensor, fraction: float) -> torch.Tensor:
+    """At most ``ceil(fraction (n - 2))`` refined pages per KV head: of ``mask [H_kv, n]``,
+    those with the largest stage-1 group-mean share ``pibar [H_kv, n]`` (the ones whose
+    over-estimate pushes the most mass past a needle page). ``fraction`` inf: ``mask``."""
+    n = mask.shape[1]
+    if math.isinf(fraction) or n == 0:
+        return mask
+    limit = min(math.ceil(fraction * max(n - 2, 0)), n)
+    if limit == 0:
+        return torch.zeros_like(mask)
+    score = torch.where(mask, pibar.float(), torch.tensor(float("-inf")))
+    top = score.topk(limit, dim=1).indices
+    capped = torch.zeros_like(mask).scatter_(1, top, True)
+    return capped & mask
+
+
 def radius_upper_logmass(
     query: torch.Tensor, mean: torch.Tensor, radius: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -194,8 +194,9 @@ def test_analyse_takes_qwen_shapes_one_list_per_kv_head():
 
 def test_parse_spread_gated_and_pc_names():
     assert study.parse_spread_gated("2v/int8:mvar_top8/oracle/2/0.75") == (
-        "int8:mvar_top8", "oracle", 2.0, 0.75
+        "int8:mvar_top8", "oracle", 2.0, 0.75, math.inf
     )  # fmt: skip
+    assert study.parse_spread_gated("2v/int8:mvar_top8/oracle/3/0.75/0.1")[4] == 0.1
     assert study.parse_spread_gated("2s/int8:mvar_rem/oracle/2/inf") is None
     with pytest.raises(ValueError, match="2v/"):
         study.parse_spread_gated("2v/int8:mvar_top8/oracle/2")

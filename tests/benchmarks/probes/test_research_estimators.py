@@ -306,3 +306,15 @@ def test_sampled_stage_two_with_every_key_is_the_exact_mass():
     # every other bulk key, scaled: an estimate, not the mass
     half = research.sampled_logmass(query, pages, SCALE, 4, 2)
     assert half.shape == exact.shape and not torch.allclose(half, exact)
+
+
+def test_cap_refined_keeps_the_largest_shares():
+    mask = torch.tensor([[False, True, True, True, True, True, False, False, True, False, True,
+                          False]])  # fmt: skip
+    pibar = torch.arange(12, dtype=torch.float32).unsqueeze(0) / 100.0
+    # 10 middle pages, cap 0.2: the 2 refined pages of largest share (10 and 8)
+    capped = research.cap_refined(mask, pibar, 0.2)
+    assert capped.nonzero()[:, 1].tolist() == [8, 10]
+    assert torch.equal(research.cap_refined(mask, pibar, float("inf")), mask)
+    assert not research.cap_refined(mask, pibar, 0.0).any()
+    assert torch.equal(research.cap_refined(mask, pibar, 1.0), mask)  # more room than pages
