@@ -141,3 +141,13 @@ def test_int4_needs_stored_keys():
     config = moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "int4"})
     assert (config.summary_dtype, config.estimator) == ("int4", "mvar_top8")
     assert ref.parse_stored_estimator("int4:mvar_top8") == ("mvar_top8", "int4")
+
+
+def test_estimate_rejects_int4_summaries_of_another_estimator():
+    kv, summaries, table, seq, query = make_decode_batch(
+        [300], 1, 2, 64, "head_major", "mvar_top2", summary_dtype="int4"
+    )
+    ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig.paper(), "cpu")
+    with pytest.raises(ValueError, match=r"needs a summary of 10 slots .*int4 keys: 7 uint8 rows"):
+        moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
+                                    "mvar_top8")  # fmt: skip

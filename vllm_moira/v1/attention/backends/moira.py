@@ -1486,7 +1486,8 @@ def estimate_page_logmass(
         raise ValueError(
             f"Moira: estimator {estimator!r} needs a summary of {2 + num_top} slots "
             f"[num_blocks, H_kv, {2 + num_top}, D] (int8: {3 + num_top} rows, the last "
-            f"the scales), got {summaries.dtype} shape {tuple(summaries.shape)}"
+            f"the scales; int4 keys: {3 + num_top // 2} uint8 rows), got {summaries.dtype} "
+            f"shape {tuple(summaries.shape)}"
         )
     assert summaries.stride(3) == 1 and summaries.stride(2) == head_size
     num_kv_heads = kv_cache.shape[1]
