@@ -34,6 +34,10 @@ def test_reference_packing_round_trips_every_int4_pair():
     assert torch.equal(q[0, 2:].float(), keys)
     assert torch.equal(q[0, :2], ref.quantize_summaries_int8(summaries[0, :2])[0])
     assert torch.equal(scales[0, 2:], torch.ones(2))
+    # stored_summaries (the study's values) = the packed layout read back
+    x = torch.randn(3, 2, 10, 64, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(ref.stored_summaries(x, "int4"),
+                       ref.read_summaries(ref.pack_int4_summaries(x)))  # fmt: skip
     with pytest.raises(ValueError, match="even number of stored keys"):
         ref.pack_int4_summaries(torch.zeros(1, 5, 64))
 
