@@ -601,6 +601,17 @@ def _kv_scale_args(kv_cache: torch.Tensor, **scales: torch.Tensor | None) -> tup
 # Page summaries
 # ==========================================================================
 @triton.jit
+def _quantize_slot(vec, LEVELS: tl.constexpr):
+    # Symmetric per slot vector: scale = absmax / LEVELS, q = floor(x / scale
+    # + 0.5) clamped to +-LEVELS; an all-zero vector gets scale 0
+    # (ref.quantize_summaries_int8 / _int4). Returns (q as fp32, scale).
+    scale = tl.max(tl.abs(vec), axis=0) / LEVELS
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    q = tl.minimum(tl.maximum(tl.floor(vec / safe + 0.5), -LEVELS), LEVELS)
+    return q, scale
+
+
+@triton.jit
 def _store_summary_slot(
     out,  # this (page, KV head)'s summary row 0: [rows, HEAD_SIZE] bf16 or int8
     scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
@@ -611,11 +622,7 @@ def _store_summary_slot(
 ):
     offs_d = tl.arange(0, HEAD_SIZE)
     if INT8:
-        # Symmetric per slot vector: scale = absmax / 127, q = floor(x / scale
-        # + 0.5); an all-zero vector stores scale 0 (ref.quantize_summaries_int8).
-        scale = tl.max(tl.abs(vec), axis=0) / 127.0
-        safe = tl.where(scale > 0.0, scale, 1.0)
-        q = tl.minimum(tl.maximum(tl.floor(vec / safe + 0.5), -127.0), 127.0)
+        q, scale = _quantize_slot(vec, 127.0)
         tl.store(out + slot * HEAD_SIZE + offs_d, q.to(tl.int8))
         tl.store(scales + slot, scale)
     else:
@@ -636,13 +643,10 @@ def _store_int4_key_pair(
     # key's two's-complement nibble low, the odd key's high, i.e. the byte
     # 16 * odd + (even & 15), which lies in [-112, 127].
     offs_d = tl.arange(0, HEAD_SIZE)
-    even_scale = tl.max(tl.abs(even_key), axis=0) / 7.0
-    odd_scale = tl.max(tl.abs(odd_key), axis=0) / 7.0
-    even_q = tl.floor(even_key / tl.where(even_scale > 0.0, even_scale, 1.0) + 0.5)
-    odd_q = tl.floor(odd_key / tl.where(odd_scale > 0.0, odd_scale, 1.0) + 0.5)
-    even_q = tl.minimum(tl.maximum(even_q, -7.0), 7.0).to(tl.int32)
-    odd_q = tl.minimum(tl.maximum(odd_q, -7.0), 7.0).to(tl.int32)
-    tl.store(out + (2 + pair) * HEAD_SIZE + offs_d, (odd_q * 16 + (even_q & 15)).to(tl.int8))
+    even_q, even_scale = _quantize_slot(even_key, 7.0)
+    odd_q, odd_scale = _quantize_slot(odd_key, 7.0)
+    byte = odd_q.to(tl.int32) * 16 + (even_q.to(tl.int32) & 15)
+    tl.store(out + (2 + pair) * HEAD_SIZE + offs_d, byte.to(tl.int8))
     tl.store(scales + 2 + 2 * pair, even_scale)
     tl.store(scales + 3 + 2 * pair, odd_scale)
 
