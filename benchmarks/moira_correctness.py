@@ -672,6 +672,7 @@ ATTEND_SWEEP = [
     {"tile_pages": 2},
     {"tile_pages": 2, "num_stages": 2},
     {"tile_pages": 2, "num_stages": 4},
+    {"tile_pages": 2, "num_stages": 5},
     {"tile_pages": 2, "num_warps": 8},
     {"tile_pages": 2, "maxnreg": None},
     {"tile_pages": 4},
