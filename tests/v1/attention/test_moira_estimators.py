@@ -151,3 +151,16 @@ def test_estimate_row_logmass_paged(name):
     wrong = ref.summarize_pages_top(kv, blocks, 1)  # 3 slots: no estimator here reads it
     with pytest.raises(ValueError):
         ref.estimate_row_logmass(query, kv, wrong, table, seq_len, SCALE, name)
+
+
+def test_reference_summaries_stay_on_the_pages_device():
+    """The H200 checks run the reference on CUDA tensors: a tensor made without the pages'
+    device (CPU by default) breaks them there. On the meta device any such tensor raises,
+    so the CPU suite catches it."""
+    pages = torch.empty(3, 2, ref.PAGE_SIZE, D, device="meta")
+    top = ref.summarize_key_pages_top(pages, 8)
+    assert top.device.type == "meta" and tuple(top.shape) == (3, 2, 10, D)
+    packed = ref.pack_int4_summaries(top)
+    assert packed.device.type == "meta" and tuple(packed.shape) == (3, 2, 7, D)
+    for summary_dtype in ("int8", "int4"):
+        assert ref.stored_summaries(top, summary_dtype).device.type == "meta"

@@ -398,7 +398,7 @@ def refine_candidates(
     smallest share :func:`select_pages` keeps at ``gamma`` (none when it keeps no middle
     page): a bool mask ``[n]``."""
     n = pibar.numel()
-    mask = torch.zeros(n, dtype=torch.bool)
+    mask = torch.zeros(n, dtype=torch.bool, device=pibar.device)
     tau = coverage_threshold(pibar, gamma) if n > 2 else None
     if tau is not None:
         mask[1 : n - 1] = pibar[1 : n - 1].float() >= tau * math.exp(-below)
@@ -438,7 +438,7 @@ def refine_row_logmass(
     ``gamma >= 1`` keeps every page anyway: nothing is refined."""
     n = num_pages(seq_len)
     h_kv = logmass.shape[0]
-    mask = torch.zeros(h_kv, n, dtype=torch.bool)
+    mask = torch.zeros(h_kv, n, dtype=torch.bool, device=logmass.device)
     if gamma >= 1.0 or n <= 2:
         return logmass, mask
     pibar = group_mean_shares(logmass)
@@ -622,7 +622,8 @@ def summarize_key_pages_top(pages: torch.Tensor, r: int) -> torch.Tensor:
     pages = pages.float()
     order = stored_key_order(pages, r)
     top = torch.gather(pages, -2, order.unsqueeze(-1).expand(*order.shape, pages.shape[-1]))
-    bulk = torch.ones(pages.shape[:-1], dtype=torch.bool).scatter(-1, order, False).unsqueeze(-1)
+    bulk = torch.ones(pages.shape[:-1], dtype=torch.bool, device=pages.device)
+    bulk = bulk.scatter(-1, order, False).unsqueeze(-1)
     m = bulk.float()
     mu_b = (pages * m).sum(dim=-2) / (PAGE_SIZE - r)
     var_b = (((pages - mu_b.unsqueeze(-2)) * m) ** 2).sum(dim=-2) / (PAGE_SIZE - r)
