@@ -480,6 +480,16 @@ def test_attend_accepts_any_page_list():
                                    rtol=BF16_RTOL)  # fmt: skip
 
 
+def test_attend_stages_follow_the_kv_cache_unless_set(monkeypatch):
+    # num_stages None: 3 for bf16 pages, 5 for fp8 ones (half the bytes per stage);
+    # a number (a sweep's candidate) applies to both.
+    monkeypatch.setitem(moira.ATTEND_LAUNCH, "num_stages", None)
+    assert moira.attend_num_stages(kv_fp8=False) == moira.ATTEND_STAGES_BY_KV["bf16"] == 3
+    assert moira.attend_num_stages(kv_fp8=True) == moira.ATTEND_STAGES_BY_KV["fp8"] == 5
+    monkeypatch.setitem(moira.ATTEND_LAUNCH, "num_stages", 2)
+    assert moira.attend_num_stages(kv_fp8=True) == moira.attend_num_stages(kv_fp8=False) == 2
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("tile_pages", [2, 4])
 @pytest.mark.parametrize("schedule", ["lists", "pages"])

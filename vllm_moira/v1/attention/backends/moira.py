@@ -147,9 +147,17 @@ WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
 # bisection pass in one 2D reduction (1: one reduction per threshold).
 SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
 # Attend (paper App. A: 4 warps, 3 stages; maxnreg None: ptxas's choice).
-# tile_pages: list entries (pages) per iteration of the K/V loop, 1, 2 or 4.
-ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": 3, "maxnreg": None,
+# num_stages None: by the KV cache's dtype (ATTEND_STAGES_BY_KV); a number sets
+# both (launch sweeps, probes). tile_pages: list entries (pages) per iteration
+# of the K/V loop, 1, 2 or 4.
+ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": None,
                                  "tile_pages": 1}  # fmt: skip
+# An fp8 page is half a bf16 page's bytes, so 5 stages take about the shared
+# memory of 3 bf16 ones (3 blocks per SM still fit) and keep more pages in
+# flight, which fp8 pages need: one page per iteration leaves bf16's loop
+# latency-bound on half the bytes. H200 sweep (benchmarks/results/fp8/): the
+# same output bits, Attend -11% at 4x131072; more stages do not help bf16.
+ATTEND_STAGES_BY_KV = {"bf16": 3, "fp8": 5}
 #: ATTEND_LAUNCH["tile_pages"] values: the tile's token count must be a power of 2.
 ATTEND_TILE_PAGES = (1, 2, 4)
 # attend_schedule="pages": the register cap that fits 3 blocks per SM (the
@@ -2756,10 +2764,17 @@ def _attend_arguments(
         KV_FP8=kv_fp8,
         TILE_PAGES=ATTEND_LAUNCH["tile_pages"],
         num_warps=ATTEND_LAUNCH["num_warps"],
-        num_stages=ATTEND_LAUNCH["num_stages"],
+        num_stages=attend_num_stages(kv_fp8),
         **_dependent_launch(),
     )
     return leading, strides, keywords
+
+
+def attend_num_stages(kv_fp8: bool) -> int:
+    """Attend's pipeline stages: ATTEND_LAUNCH["num_stages"] when set, else the KV
+    cache dtype's (ATTEND_STAGES_BY_KV)."""
+    stages = ATTEND_LAUNCH["num_stages"]
+    return ATTEND_STAGES_BY_KV["fp8" if kv_fp8 else "bf16"] if stages is None else stages
 
 
 def _merge_arguments(
