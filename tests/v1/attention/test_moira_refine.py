@@ -191,3 +191,21 @@ def test_refine_on_an_fp8_cache_equals_the_reference_on_the_dequantized_cache():
                                         estimator=estimator, refine="wide")  # fmt: skip
     _assert_lists(ws, lists)
     torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("summary_dtype", ["int8", "int4"])
+def test_reference_refinement_stays_on_the_inputs_device(summary_dtype):
+    # The H200 checks run the reference on CUDA tensors. A tensor that the reference
+    # makes without the inputs' device lands on the default device: under a meta
+    # default it meets the CPU inputs and raises, so the CPU suite sees what the GPU
+    # checks would.
+    estimator = moira.MOIRA_DEFAULT_ESTIMATOR
+    kv, summaries, table, seq, query = make_decode_batch(
+        SEQ_LENS, 2, 3, 64, "head_major", estimator, "concentrated", seed=2, query_scale=3.0,
+        summary_dtype=summary_dtype)  # fmt: skip
+    with torch.device("meta"):
+        masks = _refined_mask(query, kv, summaries, table, seq, 0.98, estimator)
+        top = ref.summarize_pages_top(kv, table[0, :2], ref.TOP_ESTIMATORS[estimator])
+    assert all(m.device.type == "cpu" for m in masks if m is not None)
+    assert sum(int(m.sum()) for m in masks if m is not None) > 0
+    assert top.device.type == "cpu"

@@ -326,7 +326,7 @@ def _top_count_keep(middle: torch.Tensor, count: int) -> torch.Tensor:
         return keep
     if count >= middle.numel():
         return ~keep
-    index = torch.arange(middle.numel(), dtype=torch.float64)
+    index = torch.arange(middle.numel(), dtype=torch.float64, device=middle.device)
     # Sort by value, then by recency: a stable sort on the index first.
     by_recency = torch.argsort(index, descending=True)
     order = by_recency[torch.sort(middle[by_recency], descending=True, stable=True)[1]]
@@ -353,8 +353,9 @@ def select_pages(
     n = pibar.numel()
     if fixed_fraction is not None:
         fixed_pages = math.ceil(fixed_fraction * n)
+    # Lists are CPU tensors whatever the shares' device (the checks compare them as lists).
     if n <= 2:
-        return torch.arange(n, dtype=torch.int32)
+        return torch.arange(n, dtype=torch.int32, device="cpu")
     pibar = pibar.float().cpu()
     middle = pibar[1 : n - 1].float()
     if fixed_pages is not None:
@@ -365,7 +366,8 @@ def select_pages(
         target = gamma - float(pibar[0]) - float(pibar[n - 1])
         keep = _threshold_keep(middle, target, by_count=False)
     kept_middle = torch.nonzero(keep).flatten().cpu() + 1
-    return torch.cat([torch.tensor([0]), kept_middle, torch.tensor([n - 1])]).to(torch.int32)
+    ends = torch.tensor([0, n - 1], device="cpu")
+    return torch.cat([ends[:1], kept_middle, ends[1:]]).to(torch.int32)
 
 
 def coverage_threshold(pibar: torch.Tensor, gamma: float) -> float | None:
