@@ -433,6 +433,15 @@ def test_gamma_one_equals_dense(layout, group, head_size):
     assert torch.all(out[-1] == 7.0), "padded row was written"
 
 
+def _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens):
+    """Attend's output of every row against the float32 reference over the same lists."""
+    for row, seq_len in enumerate(seq_lens):
+        keys, values = ref.row_keys_values(kv, table[row], seq_len)
+        expected, _ = ref.attend_pages(query[row], keys, values, lists[row], seq_len, 0.125)
+        torch.testing.assert_close(out[row].float(), expected, atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("layout", "group", "pattern", "gamma", "estimator"),
     [
@@ -473,11 +482,7 @@ def test_attend_accepts_any_page_list():
     page_list, page_count = pack_page_lists(lists, table.shape[1])
     out = torch.empty_like(query)
     moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
-    for row, seq_len in enumerate(seq_lens):
-        keys, values = ref.row_keys_values(kv, table[row], seq_len)
-        expected, _ = ref.attend_pages(query[row], keys, values, lists[row], seq_len, 0.125)
-        torch.testing.assert_close(out[row].float(), expected, atol=BF16_ATOL,
-                                   rtol=BF16_RTOL)  # fmt: skip
+    _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens)
 
 
 def test_attend_stages_follow_the_kv_cache_unless_set(monkeypatch):
@@ -518,11 +523,7 @@ def test_attend_tile_pages_matches_reference(schedule, tile_pages, kv_dtype, mon
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125, **scales)
     kv_values = ref.dequantize_kv_cache(kv, **scales) if scales else kv
-    for row, seq_len in enumerate(seq_lens):
-        keys, values = ref.row_keys_values(kv_values, table[row], seq_len)
-        expected, _ = ref.attend_pages(query[row], keys, values, lists[row], seq_len, 0.125)
-        torch.testing.assert_close(out[row].float(), expected, atol=BF16_ATOL,
-                                   rtol=BF16_RTOL)  # fmt: skip
+    _assert_attend_equals_reference(out, query, kv_values, table, lists, seq_lens)
 
 
 def test_attend_tile_pages_outside_the_allowed_values_is_refused(monkeypatch):

@@ -366,8 +366,8 @@ def select_pages(
         target = gamma - float(pibar[0]) - float(pibar[n - 1])
         keep = _threshold_keep(middle, target, by_count=False)
     kept_middle = torch.nonzero(keep).flatten().cpu() + 1
-    ends = torch.tensor([0, n - 1], device="cpu")
-    return torch.cat([ends[:1], kept_middle, ends[1:]]).to(torch.int32)
+    first, last = torch.tensor([0], device="cpu"), torch.tensor([n - 1], device="cpu")
+    return torch.cat([first, kept_middle, last]).to(torch.int32)
 
 
 def coverage_threshold(pibar: torch.Tensor, gamma: float) -> float | None:
