@@ -22,7 +22,8 @@ cuts from a ``run_accuracy_vllm`` export (haystack documents, lengths uniform in
 ``--min-tokens``..``--max-tokens``, each ending in its document's question), served with the
 model's own weights and tokenizer through ``vllm bench serve --dataset-name custom``. For
 a ``moira`` arm the read fraction comes from the server's ``/metrics`` gauge
-(``vllm:moira_page_read_fraction``), sampled every 2 s while the run lasts.
+(``vllm:moira_page_read_fraction``), sampled every 2 s while the run lasts; the dense
+server's ``/metrics`` is scraped alike, so both arms serve the same client.
 
     python benchmarks/bench_serving.py --make-dataset serve_text.jsonl \
         --from-prompts prompts.json.gz --tokenizer MODEL_DIR
@@ -116,15 +117,16 @@ def parse_read_gauge(text: str) -> float | None:
 
 class ReadFractionSampler:
     """Samples the server's read-fraction gauge every ``period`` s while a run lasts (a
-    thread; nothing for a dense arm). The gauge covers the last few decode steps and keeps
-    its value while idle, so the mean of the samples is the run's read fraction."""
+    thread). The gauge covers the last few decode steps and keeps its value while idle, so
+    the mean of the samples is the run's read fraction. Every arm is scraped alike, so that
+    the API server's work for ``/metrics`` is the same in both; a dense server has no gauge
+    and gives no samples."""
 
-    def __init__(self, base: str, arm: str, period: float = 2.0) -> None:
+    def __init__(self, base: str, period: float = 2.0) -> None:
         import threading
 
         self.url, self.period = base + "/metrics", period
         self.samples: list[float] = []
-        self.active = arm == "moira"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -141,14 +143,12 @@ class ReadFractionSampler:
                 self.samples.append(value)
 
     def __enter__(self) -> ReadFractionSampler:
-        if self.active:
-            self._thread.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.active:
-            self._stop.set()
-            self._thread.join()
+        self._stop.set()
+        self._thread.join()
 
     def summary(self) -> dict | None:
         if not self.samples:
@@ -230,7 +230,7 @@ def run_arm(arm: str, args, record: dict, save, deadline: float) -> None:
                     bench = bench_command(args, base, concurrency, result_dir, name)
                     bench_log = Path(args.log_dir) / f"serving_{arm}_c{concurrency}.log"
                     timeout = max(10.0, deadline - time.time())
-                    with open(bench_log, "w") as out, ReadFractionSampler(base, arm) as reads:
+                    with open(bench_log, "w") as out, ReadFractionSampler(base) as reads:
                         run = subprocess.run(bench, env=env, stdout=out,
                                              stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
                     rc = run.returncode

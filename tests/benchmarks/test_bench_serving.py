@@ -144,9 +144,47 @@ def test_read_gauge_parser_and_sampler_summary():
     )
     assert bs.parse_read_gauge(page) == 0.3125
     assert bs.parse_read_gauge("vllm:num_requests_running 3.0\n") is None
-    sampler = bs.ReadFractionSampler("http://127.0.0.1:1", "dense")
-    with sampler:  # a dense arm samples nothing
+    sampler = bs.ReadFractionSampler("http://127.0.0.1:1")
+    with sampler:  # no server: no samples, and no error
         pass
     assert sampler.summary() is None
     sampler.samples = [0.2, 0.4, 0.3]
     assert sampler.summary() == {"mean": 0.3, "median": 0.3, "samples": 3}
+
+
+@pytest.mark.parametrize("gauge", [None, 0.25])
+def test_sampler_scrapes_dense_and_moira_servers_alike(gauge):
+    # Both arms' servers get the same /metrics requests; only MOIRA's page has the gauge.
+    import http.server
+    import threading
+    import time
+
+    scrapes = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            scrapes.append(self.path)
+            body = "vllm:num_requests_running 1.0\n"
+            if gauge is not None:
+                body += f'vllm:moira_page_read_fraction{{engine="0"}} {gauge}\n'
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with bs.ReadFractionSampler(f"http://127.0.0.1:{server.server_port}", 0.02) as sampler:
+            deadline = time.monotonic() + 10
+            while len(scrapes) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        server.shutdown()
+    assert len(scrapes) >= 3 and set(scrapes) == {"/metrics"}
+    if gauge is None:
+        assert sampler.summary() is None
+    else:
+        assert sampler.summary()["mean"] == gauge
