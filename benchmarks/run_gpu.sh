@@ -33,6 +33,13 @@ Steps (NAME[:ARG]):
                        wide, queries x3 (wide pages to refine): lists vs the reference,
                        Estimate + Select timed side by side, the refined share; into
                        refine.json / refine_timing.json (SHAPES default 4x131072,32x8192)
+  estimate-sweep[:ESTIMATORS]
+                       moira_correctness.py --only-estimators --sweep-estimate-select:
+                       the estimators' lists vs the reference, then Estimate under every
+                       ESTIMATE_SWEEP launch (key stages, tile, warps, registers) and
+                       Select under every SELECT_SWEEP launch, each checked against the
+                       default's output, at 4x131072 and 32x8192, into estimate_sweep.json
+                       (ESTIMATORS default int8:mvar_top8,int4:mvar_top8)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
                        launch candidate (ATTEND_SWEEP, tile_pages included) under both
@@ -137,7 +144,7 @@ fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
-            | summaries | vllm-tests | accuracy | refine | attend-sweep) ;;
+            | summaries | vllm-tests | accuracy | refine | estimate-sweep | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
@@ -250,6 +257,13 @@ for step in "${STEPS[@]}"; do
                 --estimators int8:mvar,int8:mvar_top8,int8:mvar_top8+wide,int4:mvar_top8,int4:mvar_top8+wide \
                 --query-scale 3 --shapes "${arg:-4x131072,32x8192}" \
                 --json "${OUT}/refine${SUFFIX}.json" --timing-json "${OUT}/refine${SUFFIX}_timing.json"
+            ;;
+        estimate-sweep)
+            run "estimate_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
+                --only-estimators --sweep-estimate-select \
+                --json "${OUT}/estimate_sweep_checks${SUFFIX}.json" \
+                --estimators "${arg:-int8:mvar_top8,int4:mvar_top8}" --shapes 4x131072,32x8192 \
+                --timing-json "${OUT}/estimate_sweep${SUFFIX}.json"
             ;;
         attend-sweep)
             run "attend_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \

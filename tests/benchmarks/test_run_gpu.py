@@ -69,3 +69,15 @@ def test_real_model_steps_pass_the_check_when_the_files_exist(tmp_path):
     # Past the model check, it stops at the missing install instead.
     assert result.returncode == 1
     assert "env.sh not found" in result.stderr
+
+
+@pytest.mark.parametrize("step", ["estimate-sweep", "estimate-sweep:int8:mvar,int4:mvar_top8"])
+def test_estimate_sweep_is_a_known_step(tmp_path, step):
+    result = _run("--no-install", "--prefix", str(tmp_path / "no-prefix"), step, tmp_path=tmp_path)
+    # A known step gets past the step check and stops at the missing install instead.
+    assert result.returncode == 1
+    assert "unknown step" not in result.stderr and "env.sh not found" in result.stderr
+    help_text = subprocess.run(
+        ["bash", "benchmarks/run_gpu.sh", "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    assert "estimate-sweep[:ESTIMATORS]" in help_text
