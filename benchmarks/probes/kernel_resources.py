@@ -213,9 +213,11 @@ def compile_signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, 
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of a one-kernel cubin (cuobjdump), and
+    """REG / STACK / SHARED / LOCAL of a one-kernel cubin (cuobjdump),
     ``membar``: its GPU-wide memory fences (MEMBAR.*.GPU / .SYS in the SASS,
-    which an acquire-release atomic brings with it)."""
+    which an acquire-release atomic brings with it), ``sass``: its static SASS
+    instruction count, and ``sass_loops``: the instruction count of each loop's
+    body."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -233,7 +235,26 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     # GPU- or system-scope only: MEMBAR.ALL.CTA (with FENCE.VIEW.ASYNC, before
     # warpgroup MMAs read shared memory) orders the block's own accesses.
     usage["membar"] = len(re.findall(r"\bMEMBAR\.[A-Z.]*\b(?:GPU|SYS)\b", sass))
+    usage["sass"], usage["sass_loops"] = sass_instruction_counts(sass)
     return usage
+
+
+def sass_instruction_counts(sass: str) -> tuple[int, list[int]]:
+    """Static instruction counts of cuobjdump's SASS (each instruction a line
+    ``/*0a40*/  OPCODE ...;``): the total, and each loop body's, a loop being a
+    backward branch and its body the instructions from the branch's target to
+    the branch (Estimate's stored-key loop: one key per iteration, or one pair
+    of int4 keys). A proxy for a change's instruction work before timing it on
+    the GPU."""
+    code = [(int(address, 16), op) for address, op in
+            re.findall(r"^\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M)]  # fmt: skip
+    loops = []
+    for address, op in code:
+        branch = re.match(r"(?:@!?U?P\w+\s+)?BRA\b.*?(0x[0-9a-f]+)", op)
+        if branch and int(branch.group(1), 16) < address:
+            start = int(branch.group(1), 16)
+            loops.append(sum(1 for a, _ in code if start <= a <= address))
+    return len(code), loops
 
 
 def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
@@ -286,6 +307,8 @@ def kernel_resources(launches: list, page_size: int = 64) -> list[dict]:
             "shared_bytes": shared,
             "blocks_per_sm": blocks_per_sm(usage["reg"], options["num_warps"], shared),
             "gpu_fences": usage["membar"],
+            "sass_instructions": usage["sass"],
+            "sass_loop_instructions": usage["sass_loops"],
             **layouts,
         })  # fmt: skip
     return rows
@@ -340,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
               f"spills {r['spill_bytes']:4d} B  shared {r['shared_bytes']:6d} B  "
-              f"blocks/SM {r['blocks_per_sm']:2d}  GPU fences {r['gpu_fences']}")  # fmt: skip
+              f"blocks/SM {r['blocks_per_sm']:2d}  GPU fences {r['gpu_fences']}  "
+              f"SASS {r['sass_instructions']} (loops {r['sass_loop_instructions']})")  # fmt: skip
     summary_layouts = [r["summary_sum_layouts"] for r in rows if "summary_sum_layouts" in r]
     same_summary_layouts = len(summary_layouts) == 2 and summary_layouts[0] == summary_layouts[1]
     print(f"writer and Estimate reduce the page summary's sums in the same layout: "

@@ -95,6 +95,14 @@ def test_int8_summaries_match_reference(case, name):
     assert result["estimate_max_abs_err"] < 1e-3, result
 
 
+def test_int4_pair_products_equal_unpacked_keys_bitwise():
+    # The int4 Estimate's products from the nibbles in place (int8 tensor cores)
+    # equal the unpacked keys' products, bit for bit, compiled for the GPU.
+    from tests.v1.attention.test_moira_summary_int4 import check_int4_pair_products
+
+    check_int4_pair_products("cuda")
+
+
 def test_layouts_bitwise_equal(case):
     from benchmarks import moira_correctness as mc
 

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.v1.attention.moira_test_utils import PAGE, make_decode_batch, make_kv_cache
 from tests.v1.attention.test_moira_summary_int8 import check_estimate_int8
 from vllm_moira.v1.attention.backends import moira
+from vllm_moira.v1.attention.backends.moira import (
+    _int4_key_pair,
+    _int4_pair_digit_dots,
+    _int8_digit_dot,
+    _int8_digits,
+)
 from vllm_moira.v1.attention.ops import moira_reference as ref
 from vllm_moira.v1.worker import moira_summaries as ms
 
@@ -20,8 +28,9 @@ from vllm_moira.v1.worker import moira_summaries as ms
 # The packed layout (reference)
 # --------------------------------------------------------------------------
 def test_reference_packing_round_trips_every_int4_pair():
-    """Row 2 + i holds key 2i in the low nibble and key 2i + 1 in the high one, for
-    every pair of values in [-7, 7]; mean and variance stay int8; the scales row last."""
+    """Row 2 + i holds key 2i + 1 in the high nibble and key 2i + 8 in the low one (the
+    byte 16 key[2i+1] + key[2i] + 8), for every pair of values in [-7, 7]; mean and
+    variance stay int8; the scales row last."""
     values = torch.arange(-7, 8, dtype=torch.float32)
     even, odd = torch.meshgrid(values, values, indexing="ij")  # 225 channel pairs
     keys = torch.stack([even.flatten(), odd.flatten()])  # [2, 225], absmax 7: scale 1
@@ -29,7 +38,8 @@ def test_reference_packing_round_trips_every_int4_pair():
     packed = ref.pack_int4_summaries(summaries)
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 2 + 1 + 1, 225)
     byte = packed[0, 2].view(torch.int8).int()
-    assert torch.equal(byte, (odd.flatten() * 16 + (even.flatten().int() & 15)).int())
+    assert torch.equal(byte, (odd.flatten() * 16 + even.flatten() + 8).int())
+    assert torch.equal(byte & -16, (odd.flatten() * 16).int())  # byte & 0xF0: 16 key[2i+1]
     q, scales = ref.split_int4_summaries(packed)
     assert torch.equal(q[0, 2:].float(), keys)
     assert torch.equal(q[0, :2], ref.quantize_summaries_int8(summaries[0, :2])[0])
@@ -94,6 +104,61 @@ def test_verify_page_summaries_sees_a_changed_int4_key():
 # --------------------------------------------------------------------------
 # Estimate and the whole step
 # --------------------------------------------------------------------------
+@triton.jit
+def _pair_products_kernel(
+    packed_ptr,  # [TILE, D] int8: row 2 + i of TILE pages (two keys a byte)
+    query_ptr,  # [ROWS, D] fp32
+    out_ptr,  # [4, TILE, ROWS] fp32: even, odd (pair products), even, odd (unpacked keys)
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+):
+    offs_t = tl.arange(0, TILE)
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D)
+    packed = tl.load(packed_ptr + offs_t[:, None] * D + offs_d[None, :])
+    q = tl.load(query_ptr + offs_r[:, None] * D + offs_d[None, :])
+    digits, step = _int8_digits(q, ROWS, D)
+    digit_sums = tl.sum(digits.to(tl.int32), axis=1)
+    even, odd = _int4_pair_digit_dots(packed, digits, digit_sums, step, TILE, ROWS)
+    even_key, odd_key = _int4_key_pair(packed)
+    out = out_ptr + offs_t[:, None] * ROWS + offs_r[None, :]
+    tl.store(out, even)
+    tl.store(out + TILE * ROWS, odd)
+    tl.store(out + 2 * TILE * ROWS, _int8_digit_dot(even_key, digits, step, TILE, ROWS))
+    tl.store(out + 3 * TILE * ROWS, _int8_digit_dot(odd_key, digits, step, TILE, ROWS))
+
+
+def check_int4_pair_products(device: str) -> None:
+    """Estimate's int4 products without unpacking (_int4_pair_digit_dots: each nibble in
+    place on the int8 tensor cores, then q.odd = q.(16 odd) / 16 and q.even = q.(even + 8)
+    - 8 sum(digits)) equal, bit for bit, the unpacked keys' products (_int4_key_pair, then
+    _int8_digit_dot), for every int4 value and queries with negative, large and tiny
+    entries; and both are q . key within the digits' resolution."""
+    tile, rows, d = 16, 8, 128
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randint(-7, 8, (2, tile, d), generator=gen).float()  # [even, odd]
+    keys[:, 0, :15] = torch.arange(-7, 8, dtype=torch.float32)  # every value, both nibbles
+    keys[:, 0, 15] = 7.0  # absmax 7 in every page: scale 1, the keys stored as they are
+    keys[:, 1:, 15] = 7.0
+    summaries = torch.cat([torch.randn(tile, 2, d, generator=gen), keys.permute(1, 0, 2)], dim=1)
+    packed = ref.pack_int4_summaries(summaries)[:, 2].view(torch.int8).contiguous()
+    query = torch.randn(rows, d, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
+    query[0, :5] = torch.tensor([-1e4, 3e-7, 0.0, -2.5e-3, 7.0])
+    out = torch.empty(4, tile, rows, dtype=torch.float32, device=device)
+    _pair_products_kernel[(1,)](packed.to(device), query.to(device), out, tile, rows, d)
+    out = out.cpu()
+    assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])
+    exact = torch.einsum("ktd,rd->ktr", keys.double(), query.double())
+    # Digits represent each q within 2^-27 of its row's largest |q| (x 4: slack).
+    bound = 7 * d * query.abs().amax(dim=1).double() * 2.0**-25
+    assert ((out[:2].double() - exact).abs() <= bound).all()
+
+
+def test_int4_pair_products_equal_unpacked_keys_bitwise():
+    check_int4_pair_products("cpu")
+
+
 @pytest.mark.parametrize(
     ("estimator", "layout", "group", "head_size", "pattern", "int8_convert"),
     [

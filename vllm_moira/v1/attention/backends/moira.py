@@ -647,13 +647,15 @@ def _store_int4_key_pair(
     HEAD_SIZE: tl.constexpr,
 ):
     # Each key symmetric in 4 bits with its own scale (absmax / 7, as
-    # ref.quantize_summaries_int4), the pair in one byte per channel: the even
-    # key's two's-complement nibble low, the odd key's high, i.e. the byte
-    # 16 * odd + (even & 15), which lies in [-112, 127].
+    # ref.quantize_summaries_int4), the pair in one byte per channel: the odd
+    # key in the high nibble (two's complement), the even key plus 8 in the
+    # low one (offset binary, 1..15), i.e. the byte 16 * odd + even + 8, in
+    # [-111, 127]. Offset binary lets Estimate take both nibbles to the
+    # tensor cores as they are (_int4_pair_digit_dots).
     offs_d = tl.arange(0, HEAD_SIZE)
     even_q, even_scale = _quantize_slot(even_key, 7.0)
     odd_q, odd_scale = _quantize_slot(odd_key, 7.0)
-    byte = odd_q.to(tl.int32) * 16 + (even_q.to(tl.int32) & 15)
+    byte = odd_q.to(tl.int32) * 16 + even_q.to(tl.int32) + 8
     tl.store(out + (2 + pair) * HEAD_SIZE + offs_d, byte.to(tl.int8))
     tl.store(scales + 2 + 2 * pair, even_scale)
     tl.store(scales + 3 + 2 * pair, odd_scale)
@@ -662,13 +664,13 @@ def _store_int4_key_pair(
 @triton.jit
 def _int4_key_pair(packed):
     # Stored keys 2 i and 2 i + 1 of row 2 + i (_store_int4_key_pair) as int8
-    # values in [-7, 7]: the high nibble is floor(byte / 16), the low one the
-    # rest, sign-extended. In int32 arithmetic, which is the same on the GPU
-    # and in the interpreter.
+    # values in [-7, 7]: the odd key is floor(byte / 16), the even key the
+    # low nibble minus 8. In int32 arithmetic, which is the same on the GPU
+    # and in the interpreter. For the int8 conversions other than "imma",
+    # which take the keys one by one (_int4_pair_digit_dots does not unpack).
     x = packed.to(tl.int32)
     odd = x >> 4
-    even = x - odd * 16
-    even = tl.where(even >= 8, even - 16, even)
+    even = (x & 15) - 8
     return even.to(tl.int8), odd.to(tl.int8)
 
 
@@ -958,8 +960,7 @@ def _integer_slots(summaries: torch.Tensor, num_slots: int) -> tuple[torch.Tenso
         return x[..., :num_slots, :].int(), scales
     packed = x[..., 2:-1, :].int()
     odd = packed >> 4
-    even = packed - odd * 16
-    even = torch.where(even >= 8, even - 16, even)
+    even = (packed & 15) - 8
     keys = torch.stack([even, odd], dim=-2).flatten(-3, -2)
     return torch.cat([x[..., :2, :].int(), keys], dim=-2), scales
 
@@ -1114,9 +1115,40 @@ def _int8_digit_dot(slot, digits, step, TILE_PAGES: tl.constexpr, ROWS: tl.const
     # exact (|sum| < 128 * 127 * 128 < 2^24, so also in fp32), then each head's
     # four digit products scaled by their steps and summed: [TILE_PAGES, ROWS]
     # fp32, before the slot's scale.
-    acc = tl.dot(slot, tl.trans(digits), out_dtype=tl.int32).to(tl.float32)
-    acc = tl.reshape(acc, [TILE_PAGES, ROWS, 4])
+    acc = tl.dot(slot, tl.trans(digits), out_dtype=tl.int32)
+    return _scale_digit_products(acc, step, TILE_PAGES, ROWS)
+
+
+@triton.jit
+def _scale_digit_products(acc, step, TILE_PAGES: tl.constexpr, ROWS: tl.constexpr):
+    # [TILE_PAGES, 4 x ROWS] int32 products with q's digits -> [TILE_PAGES,
+    # ROWS] fp32: each head's four digit products times their steps, summed.
+    acc = tl.reshape(acc.to(tl.float32), [TILE_PAGES, ROWS, 4])
     return tl.sum(acc * step[None, :, :], axis=2)
+
+
+@triton.jit
+def _int4_pair_digit_dots(
+    packed, digits, digit_sums, step, TILE_PAGES: tl.constexpr, ROWS: tl.constexpr
+):
+    # Stored keys 2 i and 2 i + 1 of row 2 + i times q's int8 digits, with no
+    # per-key unpacking: the byte is 16 odd + (even + 8) (_store_int4_key_pair),
+    # so its high nibble in place (byte & 0xF0 = 16 odd) and its low nibble
+    # (even + 8) are valid int8 operands as they are, one bitwise AND per byte
+    # each, where unpacking both keys took about 2.6 times the instructions
+    # of an int8 key's loop body (the sm_90 SASS). Then q.odd = q.(16 odd) / 16
+    # and q.even = q.(even + 8) - 8 sum(digits), exact in int32 (|products| <
+    # 2^21): the same integers as the unpacked keys' products, so the same
+    # bits. Returns (even, odd) logits [TILE_PAGES, ROWS] fp32, before the
+    # slots' scales.
+    high = (packed & -16).to(tl.int8)
+    low = (packed & 15).to(tl.int8)
+    odd = tl.dot(high, tl.trans(digits), out_dtype=tl.int32) >> 4
+    even = tl.dot(low, tl.trans(digits), out_dtype=tl.int32) - 8 * digit_sums[None, :]
+    return (
+        _scale_digit_products(even, step, TILE_PAGES, ROWS),
+        _scale_digit_products(odd, step, TILE_PAGES, ROWS),
+    )
 
 
 @triton.jit
@@ -1157,10 +1189,18 @@ def _add_stored_key(
     # One stored key's exact logits, folded into the online logaddexp.
     if INT8:
         logit = _int8_slot_dot(key, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
-        logit = logit * scale
-        logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
     else:
-        logit = tl.dot(key, tl.trans(q)) * scale
+        logit = tl.dot(key, tl.trans(q))
+    return _fold_key_logit(peak, total, logit, page_scales, j, scale, mask_p, INT8)
+
+
+@triton.jit
+def _fold_key_logit(peak, total, logit, page_scales, j, scale, mask_p, INT8: tl.constexpr):
+    # Stored key j's products with q ([TILE_PAGES, EST_ROWS] fp32, before the
+    # softmax scale and, if INT8, the slot's scale) into the online logaddexp.
+    logit = logit * scale
+    if INT8:
+        logit = logit * tl.load(page_scales + 2 + j, mask=mask_p, other=0.0)[:, None]
     new_peak = tl.maximum(peak, logit)
     total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
     return new_peak, total
@@ -1258,21 +1298,35 @@ def _summary_tile_logmass(
         # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
         # keys' tiles are copied into shared memory while this key's product
         # runs), faster than the unrolled keys (docs/design.md). INT4: one
-        # load per pair of keys (row 2 + i holds keys 2 i and 2 i + 1), which
-        # meet q as int8 keys do, in the same order.
+        # load per pair of keys (row 2 + i holds keys 2 i and 2 i + 1), whose
+        # products with q are those of int8 keys, in the same order.
         if INT4:
+            if INT8_CONVERT == 3:
+                # Each head digit's sum over the channels: [4 * EST_ROWS] int32.
+                digit_sums = tl.sum(q_digits.to(tl.int32), axis=1)
             for i in tl.range(0, NUM_TOP // 2, num_stages=KEY_STAGES):
                 packed = tl.load(summary + (2 + i) * HEAD_SIZE + offs_d[None, :],
                                  mask=mask_p[:, None], other=0)  # fmt: skip
-                even, odd = _int4_key_pair(packed)
-                peak, total = _add_stored_key(
-                    peak, total, even, page_scales, 2 * i, q, q_f16, q_digits, q_step, scale,
-                    mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
-                )  # fmt: skip
-                peak, total = _add_stored_key(
-                    peak, total, odd, page_scales, 2 * i + 1, q, q_f16, q_digits, q_step, scale,
-                    mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
-                )  # fmt: skip
+                if INT8_CONVERT == 3:
+                    even, odd = _int4_pair_digit_dots(
+                        packed, q_digits, digit_sums, q_step, TILE_PAGES, EST_ROWS
+                    )
+                    peak, total = _fold_key_logit(
+                        peak, total, even, page_scales, 2 * i, scale, mask_p, INT8
+                    )
+                    peak, total = _fold_key_logit(
+                        peak, total, odd, page_scales, 2 * i + 1, scale, mask_p, INT8
+                    )
+                else:
+                    even, odd = _int4_key_pair(packed)
+                    peak, total = _add_stored_key(
+                        peak, total, even, page_scales, 2 * i, q, q_f16, q_digits, q_step,
+                        scale, mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                    )  # fmt: skip
+                    peak, total = _add_stored_key(
+                        peak, total, odd, page_scales, 2 * i + 1, q, q_f16, q_digits, q_step,
+                        scale, mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                    )  # fmt: skip
         else:
             for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
                 key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :],

@@ -116,16 +116,17 @@ def quantize_summaries_int4(summaries: torch.Tensor) -> tuple[torch.Tensor, torc
 def pack_int4_summaries(summaries: torch.Tensor) -> torch.Tensor:
     """fp32 summaries ``[..., 2 + r, D]`` (r > 0 even) as the kernels store int4 summaries:
     ``[..., 2 + r / 2 + 1, D]`` uint8 = the mean and variance rows in int8 (two's complement
-    bytes), then row 2 + i holding stored keys 2i (low nibble) and 2i + 1 (high nibble) in
-    4-bit two's complement per channel, then one row whose first 4 (2 + r) bytes are the
-    slots' fp32 scales."""
+    bytes), then row 2 + i holding stored key 2i + 1 in the high nibble (4-bit two's
+    complement) and stored key 2i plus 8 in the low one (offset binary, 1..15), i.e. the
+    byte ``16 * key[2i+1] + key[2i] + 8`` per channel, then one row whose first 4 (2 + r)
+    bytes are the slots' fp32 scales."""
     num_keys = summaries.shape[-2] - 2
     if num_keys <= 0 or num_keys % 2:
         raise ValueError(f"int4 summaries need an even number of stored keys, got {num_keys}")
     q8, scale8 = quantize_summaries_int8(summaries[..., :2, :])
     q4, scale4 = quantize_summaries_int4(summaries[..., 2:, :])
     low, high = q4[..., 0::2, :].int(), q4[..., 1::2, :].int()
-    packed = (high * 16 + (low & 0xF)).to(torch.int8)  # in [-112, 127]: an int8 byte
+    packed = (high * 16 + low + 8).to(torch.int8)  # in [-111, 127]: an int8 byte
     scales = torch.cat([scale8, scale4], dim=-1).contiguous().view(torch.int8)
     rows = torch.zeros((*summaries.shape[:-2], 1, summaries.shape[-1]), dtype=torch.int8,
                        device=summaries.device)  # fmt: skip
@@ -140,8 +141,7 @@ def split_int4_summaries(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.T
     num_slots = 2 + 2 * (summaries.shape[-2] - 3)
     packed = x[..., 2 : summaries.shape[-2] - 1, :].int()
     high = packed >> 4  # arithmetic: floor(byte / 16)
-    low = packed - high * 16  # the low nibble, 0..15
-    low = torch.where(low >= 8, low - 16, low)
+    low = (packed & 15) - 8  # the low nibble holds the key plus 8
     keys = torch.stack([low, high], dim=-2).flatten(-3, -2).to(torch.int8)
     scales = x[..., -1, : 4 * num_slots].clone().view(torch.float32)
     return torch.cat([x[..., :2, :], keys], dim=-2), scales
