@@ -233,3 +233,27 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
     (int4_pair,) = int4["sass_loop_instructions"]
     assert int4_pair <= 2 * int8_key, (int4_pair, int8_key)
     assert int4["spill_bytes"] == 0 and int4["registers"] <= 128, int4
+
+
+def _attend_row(tmp_path, *args: str) -> dict:
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--kv-cache-dtype", "fp8",
+           "--attend-schedule", "pages", *args, "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    return next(row for row in rows if row["kernel"] == "kernel_moira_attend_pages")
+
+
+@pytest.mark.slow
+def test_fp8_attend_early_conversion_reads_v_by_ldmatrix(tmp_path):
+    """ATTEND_LAUNCH["fp8_convert"] = "early": the K/V loop no longer assembles V from
+    single-byte shared-memory loads (Triton 3.6: 636 instructions per page, "dot", against
+    394), and the kernel keeps 3 blocks per SM without spills."""
+    dot = _attend_row(tmp_path, "--attend-launch", '{"fp8_convert": "dot"}')
+    early = _attend_row(tmp_path, "--attend-launch", '{"fp8_convert": "early"}')
+    # The K/V loop: the largest loop that is not the scan over list lengths (the
+    # pages kernel's loops: the scan, the K/V loop, and the loop over lists around it).
+    assert max(early["sass_loop_instructions"]) < max(dot["sass_loop_instructions"])
+    assert early["spill_bytes"] == 0 and early["blocks_per_sm"] >= 3, early
