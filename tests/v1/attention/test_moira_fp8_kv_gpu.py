@@ -163,8 +163,9 @@ def test_fp8_attend_converts_early_to_the_same_bits(case, schedule, monkeypatch)
     # The "early" fp8 conversion (a sweep candidate) gives the default's output
     # bit for bit: the same fp16 values meet the same products.
     import torch
-    from benchmarks import moira_correctness as mc
     from vllm.v1.attention.backends import moira
+
+    from benchmarks import moira_correctness as mc
 
     config = _config(schedule, gamma=0.98)
     outputs = {}
