@@ -235,26 +235,36 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     # GPU- or system-scope only: MEMBAR.ALL.CTA (with FENCE.VIEW.ASYNC, before
     # warpgroup MMAs read shared memory) orders the block's own accesses.
     usage["membar"] = len(re.findall(r"\bMEMBAR\.[A-Z.]*\b(?:GPU|SYS)\b", sass))
-    usage["sass"], usage["sass_loops"] = sass_instruction_counts(sass)
+    usage["sass"], usage["sass_loops"], usage["sass_loop_memory"] = sass_instruction_counts(sass)
     return usage
 
 
-def sass_instruction_counts(sass: str) -> tuple[int, list[int]]:
+def sass_instruction_counts(sass: str) -> tuple[int, list[int], list[dict[str, int]]]:
     """Static instruction counts of cuobjdump's SASS (each instruction a line
-    ``/*0a40*/  OPCODE ...;``): the total, and each loop body's, a loop being a
+    ``/*0a40*/  OPCODE ...;``): the total; each loop body's, a loop being a
     backward branch and its body the instructions from the branch's target to
     the branch (Estimate's stored-key loop: one key per iteration, or one pair
-    of int4 keys). A proxy for a change's instruction work before timing it on
-    the GPU."""
+    of int4 keys); and each loop body's memory instructions by opcode (LDG:
+    a global load into registers, LDGSTS: an asynchronous copy into shared
+    memory, as software pipelining issues them; LDS / LDSM: shared-memory
+    loads, LDSM the tensor cores' ldmatrix). A proxy for a change's
+    instruction work before timing it on the GPU."""
     code = [(int(address, 16), op) for address, op in
             re.findall(r"^\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M)]  # fmt: skip
-    loops = []
+    loops, memory = [], []
     for address, op in code:
         branch = re.match(r"(?:@!?U?P\w+\s+)?BRA\b.*?(0x[0-9a-f]+)", op)
         if branch and int(branch.group(1), 16) < address:
             start = int(branch.group(1), 16)
-            loops.append(sum(1 for a, _ in code if start <= a <= address))
-    return len(code), loops
+            body = [re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for a, o in code
+                    if start <= a <= address]  # fmt: skip
+            loops.append(len(body))
+            ops: dict[str, int] = {}
+            for opcode in body:
+                if opcode.startswith(("LD", "ST")):
+                    ops[opcode] = ops.get(opcode, 0) + 1
+            memory.append(dict(sorted(ops.items())))
+    return len(code), loops, memory
 
 
 def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
@@ -309,6 +319,7 @@ def kernel_resources(launches: list, page_size: int = 64) -> list[dict]:
             "gpu_fences": usage["membar"],
             "sass_instructions": usage["sass"],
             "sass_loop_instructions": usage["sass_loops"],
+            "sass_loop_memory_ops": usage["sass_loop_memory"],
             **layouts,
         })  # fmt: skip
     return rows

@@ -35,15 +35,16 @@ def test_sass_instruction_counts_total_and_loop_bodies():
         /*0000*/                   MOV R1, c[0x0][0x28] ;      /* 0x00000a0000017a02 */
         /*0010*/                   S2R R0, SR_CTAID.X ;        /* 0x0000000000007919 */
         /*0020*/                   IADD3 R2, R0, 0x1, RZ ;     /* 0x0000000100027810 */
-        /*0030*/                   LOP3.LUT R3, R2, 0xf0, RZ, 0xc0, !PT ;
+        /*0030*/              @!P2 LDS.U8 R3, [R2+0x10] ;
         /*0040*/               @P0 BRA 0x20 ;                  /* 0x0000000000000947 */
         /*0050*/              @!P1 BRA 0x70 ;                  /* forward: not a loop */
         /*0060*/                   EXIT ;
         /*0070*/                   BRA 0x70 ;                  /* the padding after EXIT */
     """
-    total, loops = kr.sass_instruction_counts(sass)
+    total, loops, memory = kr.sass_instruction_counts(sass)
     assert total == 8
     assert loops == [3]  # 0x20..0x40; the padding's branch to itself is no loop
+    assert memory == [{"LDS.U8": 1}]
 
 
 @pytest.mark.slow
