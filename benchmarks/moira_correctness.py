@@ -544,6 +544,10 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
             moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
 
         row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
+        if refine == "wide":
+            row["refine_sweep"] = sweep_refine_launch(
+                ws, lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale), batch
+            )
         estimate()
         row["select_sweep"] = sweep_select_launch(
             ws,
@@ -684,6 +688,16 @@ ATTEND_SWEEP = [
     {"fp8_convert": "early", "num_stages": 4},
     {"fp8_convert": "early", "num_warps": 8},
 ]
+#: REFINE_LAUNCH candidates, timed as Estimate + Select with refine="wide" (the
+#: estimators named "...+wide" under --sweep-estimate-select); each must give the
+#: default's lists.
+REFINE_SWEEP = [
+    {"pipeline_stages": 2},
+    {"pipeline_stages": 3},
+    {"num_warps": 8},
+    {"pipeline_stages": 2, "num_warps": 8},
+    {"pipeline_stages": 3, "num_warps": 8},
+]
 #: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
 ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages", "fp8_convert")
 ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNCH"}
@@ -777,6 +791,35 @@ def sweep_select_launch(ws, select, batch):
         print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
     moira.SELECT_LAUNCH.clear()
     moira.SELECT_LAUNCH.update(default_select)
+    return rows
+
+
+def sweep_refine_launch(ws, estimate_and_select, batch):
+    """Time Estimate + Select (refine="wide") under each REFINE_SWEEP change of
+    REFINE_LAUNCH; each must give the default's page lists and counts."""
+    rows = []
+    default_refine = dict(moira.REFINE_LAUNCH)
+    estimate_and_select()
+    reference = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
+    try:
+        for change in REFINE_SWEEP:
+            moira.REFINE_LAUNCH.update(default_refine)
+            moira.REFINE_LAUNCH.update(change)
+            ws.page_count[:batch].fill_(-1)
+            estimate_and_select()
+            counts = ws.page_count[:batch]
+            same = bool(torch.equal(counts, reference[1]))
+            if same:
+                width = int(counts.max())
+                same = bool(torch.equal(ws.page_list[:batch, :, :width],
+                                        reference[0][:, :, :width]))  # fmt: skip
+            us = graph_time_us(estimate_and_select)
+            launch = dict(moira.REFINE_LAUNCH)
+            rows.append({**launch, "us": us, "same_lists": same})
+            print("refine", launch, f"{us:.2f} us", same, flush=True)
+    finally:
+        moira.REFINE_LAUNCH.clear()
+        moira.REFINE_LAUNCH.update(default_refine)
     return rows
 
 

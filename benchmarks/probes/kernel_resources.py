@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="JSON merged into ATTEND_LAUNCH, e.g. '{\"tile_pages\": 2}'",
     )
+    ap.add_argument(
+        "--refine-launch",
+        default=None,
+        help="JSON merged into REFINE_LAUNCH, e.g. '{\"pipeline_stages\": 3}'",
+    )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
     ap.add_argument("--refine", default=None, help="MoiraConfig.refine (default: off)")
@@ -359,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     for option, text, launch in (
         ("--estimate-launch", a.estimate_launch, moira.ESTIMATE_LAUNCH),
         ("--attend-launch", a.attend_launch, moira.ATTEND_LAUNCH),
+        ("--refine-launch", a.refine_launch, moira.REFINE_LAUNCH),
     ):
         for key, value in json.loads(text or "{}").items():
             if key not in launch:
@@ -394,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
             "attend_launch": dict(moira.ATTEND_LAUNCH),
+            "refine_launch": dict(moira.REFINE_LAUNCH),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }

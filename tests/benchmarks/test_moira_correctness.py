@@ -99,6 +99,11 @@ def test_attend_sweep_names_only_known_settings():
     assert "maxnreg" in mc.moira.ATTEND_PAGES_LAUNCH and "maxnreg" in mc.moira.ATTEND_LAUNCH
 
 
+def test_refine_sweep_names_only_refine_launch_settings():
+    for changes in mc.REFINE_SWEEP:
+        assert changes and set(changes) <= set(mc.moira.REFINE_LAUNCH), changes
+
+
 def test_refine_suffix_names_the_config_not_the_summaries():
     assert mc.split_summary_dtype("int8:mvar_top8+wide") == ("mvar_top8", "int8")
     assert mc.refine_of("int8:mvar_top8+wide") == "wide"

@@ -258,3 +258,30 @@ def test_fp8_attend_early_conversion_reads_v_by_ldmatrix(tmp_path):
     # pages kernel's loops: the scan, the K/V loop, and the loop over lists around it).
     assert max(early["sass_loop_instructions"]) < max(dot["sass_loop_instructions"])
     assert early["spill_bytes"] == 0 and early["blocks_per_sm"] >= 3, early
+
+
+@pytest.mark.slow
+def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
+    """REFINE_LAUNCH["pipeline_stages"] > 0: the refine loop's keys arrive by
+    asynchronous copies (LDGSTS), where the default serial loop waits on plain global
+    loads (LDG) for each page in turn."""
+
+    def refine_loop_memory(*args: str) -> dict:
+        out = tmp_path / "resources.json"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--refine", "wide",
+               *args, "--json", str(out)]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        row = next(r for r in json.loads(out.read_text())["rows"]
+                   if r["kernel"] == "kernel_moira_refine")  # fmt: skip
+        assert row["spill_bytes"] == 0, row
+        (memory,) = row["sass_loop_memory_ops"]
+        return memory
+
+    serial = refine_loop_memory()
+    pipelined = refine_loop_memory("--refine-launch", '{"pipeline_stages": 2}')
+    assert any(op.startswith("LDG.") for op in serial)
+    assert not any(op.startswith("LDGSTS") for op in serial)
+    assert any(op.startswith("LDGSTS") for op in pipelined)

@@ -345,6 +345,38 @@ def test_refine_log_masses_and_lists_equal_reference(wide_case):
     assert result["rows_equal"] + result["rows_near_tie"] == result["rows_checked"], result
 
 
+@pytest.mark.parametrize(
+    "launch",
+    [{"pipeline_stages": 2}, {"pipeline_stages": 3}, {"pipeline_stages": 2, "num_warps": 8}],
+)
+def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monkeypatch):
+    # REFINE_LAUNCH candidates (moira_correctness.REFINE_SWEEP): the same
+    # log-masses and lists as the default serial loop, bit for bit.
+    import torch
+    from vllm.v1.attention.backends import moira
+
+    from benchmarks import moira_correctness as mc
+
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
+    results = []
+    for changes in ({}, launch):
+        for key, value in changes.items():
+            monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
+        ws = mc.workspace(wide_case, config)
+        moira.estimate_and_select(wide_case["query"], wide_case["kv"], wide_case["summaries"],
+                                  wide_case["table"], wide_case["seq"], ws, mc.SCALE)  # fmt: skip
+        torch.cuda.synchronize()
+        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
+    (lm0, list0, count0), (lm1, list1, count1) = results
+    assert torch.equal(count0, count1)
+    for row, n in enumerate(wide_case["seq_lens"]):
+        pages = -(-n // moira.MOIRA_PAGE_SIZE)
+        assert torch.equal(lm0[row, ..., :pages], lm1[row, ..., :pages])
+        for h in range(count0.shape[1]):
+            count = int(count0[row, h])
+            assert torch.equal(list0[row, h, :count], list1[row, h, :count])
+
+
 def test_refine_graph_replay_equals_eager_bitwise(wide_case):
     from vllm.v1.attention.backends import moira
 

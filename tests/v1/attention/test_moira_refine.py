@@ -103,6 +103,39 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
     assert seen > 0
 
 
+@pytest.mark.parametrize("launch", [{"pipeline_stages": 2}, {"pipeline_stages": 3, "num_warps": 8}])
+def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeypatch):
+    """REFINE_LAUNCH["pipeline_stages"] > 0 (the refined pages compacted, then a
+    software-pipelined loop over them) writes the log-masses and lists of the default
+    serial loop, bit for bit; values outside 0..6 are refused."""
+    batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
+                              "concentrated", seed=3, query_scale=3.0,
+                              summary_dtype="int8")  # fmt: skip
+    kv, summaries, table, seq, query = batch
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
+    results = []
+    for changes in ({}, launch):
+        for key, value in {**moira.REFINE_LAUNCH, **changes}.items():
+            monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
+        ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
+        monkeypatch.undo()
+    masks = _refined_mask(query, kv, summaries, table, seq, 0.98, moira.MOIRA_DEFAULT_ESTIMATOR)
+    assert sum(int(m.sum()) for m in masks if m is not None) > 1  # several pages refined
+    (lm0, list0, count0), (lm1, list1, count1) = results
+    assert torch.equal(count0, count1)
+    for row, n in enumerate(seq.tolist()):
+        pages = ref.num_pages(n)
+        assert torch.equal(lm0[row, ..., :pages], lm1[row, ..., :pages])
+        for h in range(2):
+            assert torch.equal(list0[row, h, : count0[row, h]], list1[row, h, : count1[row, h]])
+    monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", 9)
+    ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['pipeline_stages'\] must be an integer"):
+        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+
+
 @pytest.mark.parametrize("change", [dict(gamma=1.0), dict(selector="fixed", fixed_pages=3)])
 def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change):
     batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,

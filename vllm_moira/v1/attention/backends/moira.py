@@ -2067,6 +2067,14 @@ def select_pages(
 # ==========================================================================
 # Pages per refine program: the candidate test is one [G, pages] tile.
 _REFINE_TILE_PAGES = 64
+# kernel_moira_refine's loop over the pages it refines. pipeline_stages 0:
+# every page of the tile in turn, a branch per page (each page's keys load
+# behind the previous page's softmax: 8 synchronous 16-byte loads per thread
+# and page in the sm_90 SASS; ~1.9 TB/s on the H200 with every page refined).
+# k > 0: the refined pages compacted first, then a loop over them that Triton
+# software-pipelines k deep (asynchronous copies of the next pages' keys).
+# The same log-masses either way. A sweep candidate, not timed yet.
+REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 0, "num_warps": 4}
 
 
 def _select_stats_width(group_size: int) -> int:
@@ -2113,6 +2121,7 @@ def kernel_moira_refine(
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PIPELINE_STAGES: tl.constexpr = 0,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -2191,14 +2200,29 @@ def kernel_moira_refine(
     k_scale = 1.0
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
-    for i in range(TILE_PAGES):
-        if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
-            page = tile * TILE_PAGES + i
+    if PIPELINE_STAGES == 0:
+        for i in range(TILE_PAGES):
+            if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
+                page = tile * TILE_PAGES + i
+                block = tl.load(bt_row + page).to(tl.int64)
+                exact = _exact_page_logmass(
+                    q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
+                    stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE,
+                    PAGE_SIZE, KV_FP8,
+                )  # fmt: skip
+                tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
+    else:
+        # The refined pages in page order (their rank among the tile's refined
+        # pages), then one loop iteration per refined page, no branch.
+        rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
+        num_refined = tl.sum(refine.to(tl.int32), axis=0)
+        for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
+            page = tile * TILE_PAGES + tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
             block = tl.load(bt_row + page).to(tl.int64)
             exact = _exact_page_logmass(
                 q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
-                stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE,
-                KV_FP8,
+                stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE,
+                PAGE_SIZE, KV_FP8,
             )  # fmt: skip
             tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
@@ -2229,6 +2253,11 @@ def refine_page_logmass(
     assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, _REFINE_TILE_PAGES))
+    stages = REFINE_LAUNCH["pipeline_stages"]
+    if not isinstance(stages, int) or not 0 <= stages <= 6:
+        raise ValueError(
+            f"Moira: REFINE_LAUNCH['pipeline_stages'] must be an integer in 0..6, got {stages!r}"
+        )
     kernel_moira_refine[grid](
         query,
         kv_cache,
@@ -2254,7 +2283,8 @@ def refine_page_logmass(
         NUM_TOP=num_top,
         INT8=int8,
         KV_FP8=kv_fp8,
-        num_warps=4,
+        PIPELINE_STAGES=stages,
+        num_warps=REFINE_LAUNCH["num_warps"],
         **_dependent_launch(),
     )
 
