@@ -40,6 +40,11 @@ Steps (NAME[:ARG]):
                        Select under every SELECT_SWEEP launch, each checked against the
                        default's output, at 4x131072 and 32x8192, into estimate_sweep.json
                        (ESTIMATORS default int8:mvar_top8,int4:mvar_top8)
+  refine-sweep[:SHAPES]
+                       the same for int8:mvar_top8+wide with queries x3 (wide pages to
+                       refine), plus Estimate + Select under every REFINE_SWEEP launch
+                       (pipelined refine loop, warps), each checked against the default's
+                       lists, into refine_sweep.json (SHAPES default 4x131072,32x8192)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
                        launch candidate (ATTEND_SWEEP, tile_pages included) under both
@@ -144,7 +149,8 @@ fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
-            | summaries | vllm-tests | accuracy | refine | estimate-sweep | attend-sweep) ;;
+            | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
+            | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
@@ -264,6 +270,13 @@ for step in "${STEPS[@]}"; do
                 --json "${OUT}/estimate_sweep_checks${SUFFIX}.json" \
                 --estimators "${arg:-int8:mvar_top8,int4:mvar_top8}" --shapes 4x131072,32x8192 \
                 --timing-json "${OUT}/estimate_sweep${SUFFIX}.json"
+            ;;
+        refine-sweep)
+            run "refine_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
+                --only-estimators --sweep-estimate-select --query-scale 3 \
+                --json "${OUT}/refine_sweep_checks${SUFFIX}.json" \
+                --estimators int8:mvar_top8+wide --shapes "${arg:-4x131072,32x8192}" \
+                --timing-json "${OUT}/refine_sweep${SUFFIX}.json"
             ;;
         attend-sweep)
             run "attend_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \

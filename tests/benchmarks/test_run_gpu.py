@@ -43,6 +43,7 @@ def test_help_names_the_kv_cache_option_and_the_steps():
     assert result.returncode == 0
     assert "--kv-cache-dtype D" in result.stdout and "_fp8" in result.stdout
     assert "estimate-sweep[:ESTIMATORS]" in result.stdout
+    assert "refine-sweep[:SHAPES]" in result.stdout
 
 
 @pytest.mark.parametrize("step", ["accuracy-suite", "tpot-real:8192x4", "serving-real:1"])
@@ -72,7 +73,9 @@ def test_real_model_steps_pass_the_check_when_the_files_exist(tmp_path):
     assert "env.sh not found" in result.stderr
 
 
-@pytest.mark.parametrize("step", ["estimate-sweep", "estimate-sweep:int8:mvar,int4:mvar_top8"])
+@pytest.mark.parametrize(
+    "step", ["estimate-sweep", "estimate-sweep:int8:mvar,int4:mvar_top8", "refine-sweep:4x131072"]
+)
 def test_estimate_sweep_is_a_known_step(tmp_path, step):
     result = _run("--no-install", "--prefix", str(tmp_path / "no-prefix"), step, tmp_path=tmp_path)
     # A known step gets past the step check and stops at the missing install instead.
