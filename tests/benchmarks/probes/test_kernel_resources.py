@@ -212,14 +212,15 @@ def test_refine_kernels_compile_for_sm90_without_a_gpu(tmp_path):
         assert row["spill_bytes"] == 0 and row["gpu_fences"] == 0, row
 
 
-def _estimate_row(tmp_path, *args: str) -> dict:
+def _kernel_row(tmp_path, kernel: str, *args: str) -> dict:
+    """One kernel's row of the probe's record at 2x4096 (a subprocess, no interpreter)."""
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", *args, "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    return next(row for row in rows if row["kernel"] == "kernel_moira_estimate")
+    return next(row for row in rows if row["kernel"] == kernel)
 
 
 @pytest.mark.slow
@@ -228,8 +229,9 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
     nibbles in place on the int8 tensor cores (_int4_pair_digit_dots); unpacking the two
     keys first took 2.6 times the instructions of two int8 iterations (928 against 352,
     Triton 3.6), and the int4 Estimate ran at under half the int8 one's byte rate."""
-    int8 = _estimate_row(tmp_path, "--estimator", "mvar_top8", "--summary-dtype", "int8")
-    int4 = _estimate_row(tmp_path, "--estimator", "mvar_top8", "--summary-dtype", "int4")
+    estimate = "kernel_moira_estimate"
+    int8 = _kernel_row(tmp_path, estimate, "--estimator", "mvar_top8", "--summary-dtype", "int8")
+    int4 = _kernel_row(tmp_path, estimate, "--estimator", "mvar_top8", "--summary-dtype", "int4")
     (int8_key,) = int8["sass_loop_instructions"]
     (int4_pair,) = int4["sass_loop_instructions"]
     assert int4_pair <= 2 * int8_key, (int4_pair, int8_key)
@@ -237,14 +239,8 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
 
 
 def _attend_row(tmp_path, *args: str) -> dict:
-    out = tmp_path / "resources.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--kv-cache-dtype", "fp8",
-           "--attend-schedule", "pages", *args, "--json", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    return next(row for row in rows if row["kernel"] == "kernel_moira_attend_pages")
+    return _kernel_row(tmp_path, "kernel_moira_attend_pages", "--kv-cache-dtype", "fp8",
+                       "--attend-schedule", "pages", *args)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -267,15 +263,7 @@ def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
     loads (LDG) for each page in turn."""
 
     def refine_loop_memory(*args: str) -> dict:
-        out = tmp_path / "resources.json"
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--refine", "wide",
-               *args, "--json", str(out)]  # fmt: skip
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        row = next(r for r in json.loads(out.read_text())["rows"]
-                   if r["kernel"] == "kernel_moira_refine")  # fmt: skip
+        row = _kernel_row(tmp_path, "kernel_moira_refine", "--refine", "wide", *args)
         assert row["spill_bytes"] == 0, row
         (memory,) = row["sass_loop_memory_ops"]
         return memory

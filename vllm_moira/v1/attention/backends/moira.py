@@ -2203,28 +2203,39 @@ def kernel_moira_refine(
     if PIPELINE_STAGES == 0:
         for i in range(TILE_PAGES):
             if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
-                page = tile * TILE_PAGES + i
-                block = tl.load(bt_row + page).to(tl.int64)
-                exact = _exact_page_logmass(
-                    q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
-                    stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE,
-                    PAGE_SIZE, KV_FP8,
+                _refine_page(
+                    tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
+                    offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
+                    stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
                 )  # fmt: skip
-                tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
     else:
         # The refined pages in page order (their rank among the tile's refined
         # pages), then one loop iteration per refined page, no branch.
         rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
         num_refined = tl.sum(refine.to(tl.int32), axis=0)
         for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
-            page = tile * TILE_PAGES + tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
-            block = tl.load(bt_row + page).to(tl.int64)
-            exact = _exact_page_logmass(
-                q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
-                stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE,
-                PAGE_SIZE, KV_FP8,
+            i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
+            _refine_page(
+                tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
+                offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
+                stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
             )  # fmt: skip
-            tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
+
+
+@triton.jit
+def _refine_page(
+    page, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale, offs_g, mask_g, stride_kv_block,
+    stride_kv_head, stride_kv_token, stride_lm_group, HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    # One refined (full, middle) page: its exact log-mass over its 64 keys
+    # replaces the estimate, for every query head of the KV head.
+    block = tl.load(bt_row + page).to(tl.int64)
+    exact = _exact_page_logmass(
+        q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
+        stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, KV_FP8,
+    )  # fmt: skip
+    tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
 
 
 def refine_page_logmass(
