@@ -768,6 +768,20 @@ def sweep_estimate_and_select(case, ws):
     return out
 
 
+def _same_lists_after(run, ws, batch, reference) -> bool:
+    """Runs ``run`` (which writes ws's page lists) and says whether the counts of
+    rows ``[:batch]``, and their lists up to the longest, equal ``reference`` =
+    (lists, counts); the counts are poisoned first, so a run that writes nothing
+    does not pass."""
+    ws.page_count[:batch].fill_(-1)
+    run()
+    counts = ws.page_count[:batch]
+    if not torch.equal(counts, reference[1]):
+        return False
+    width = int(counts.max())
+    return bool(torch.equal(ws.page_list[:batch, :, :width], reference[0][:, :, :width]))
+
+
 def sweep_select_launch(ws, select, batch):
     """Time Select under each SELECT_LAUNCH candidate on the log-masses in
     ``ws``; each must give the default's page lists and counts."""
@@ -777,14 +791,7 @@ def sweep_select_launch(ws, select, batch):
     reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
     for lanes, warps in SELECT_SWEEP:
         moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
-        ws.page_count[:batch].fill_(-1)
-        select()
-        counts = ws.page_count[:batch]
-        same = bool(torch.equal(counts, reference_lists[1]))
-        if same:
-            width = int(counts.max())
-            same = bool(torch.equal(ws.page_list[:batch, :, :width],
-                                    reference_lists[0][:, :, :width]))  # fmt: skip
+        same = _same_lists_after(select, ws, batch, reference_lists)
         us = graph_time_us(select)
         rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
                      "same_lists": same})  # fmt: skip
@@ -805,14 +812,7 @@ def sweep_refine_launch(ws, estimate_and_select, batch):
         for change in REFINE_SWEEP:
             moira.REFINE_LAUNCH.update(default_refine)
             moira.REFINE_LAUNCH.update(change)
-            ws.page_count[:batch].fill_(-1)
-            estimate_and_select()
-            counts = ws.page_count[:batch]
-            same = bool(torch.equal(counts, reference[1]))
-            if same:
-                width = int(counts.max())
-                same = bool(torch.equal(ws.page_list[:batch, :, :width],
-                                        reference[0][:, :, :width]))  # fmt: skip
+            same = _same_lists_after(estimate_and_select, ws, batch, reference)
             us = graph_time_us(estimate_and_select)
             launch = dict(moira.REFINE_LAUNCH)
             rows.append({**launch, "us": us, "same_lists": same})

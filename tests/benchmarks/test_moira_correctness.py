@@ -109,3 +109,32 @@ def test_refine_suffix_names_the_config_not_the_summaries():
     assert mc.refine_of("int8:mvar_top8+wide") == "wide"
     assert mc.split_summary_dtype("mvar_top8") == ("mvar_top8", "bfloat16")
     assert mc.refine_of("mvar_top8") == "off"
+
+
+def test_same_lists_after_compares_counts_then_lists_up_to_the_longest():
+    import types
+
+    import torch
+
+    lists = torch.tensor([[[0, 3, 5, 9]], [[0, 1, 7, 7]]])
+    counts = torch.tensor([[3], [2]])
+    ws = types.SimpleNamespace(
+        page_list=torch.zeros_like(lists), page_count=torch.zeros_like(counts)
+    )
+
+    def writes(new_lists, new_counts):
+        def run():
+            ws.page_list.copy_(new_lists)
+            ws.page_count.copy_(new_counts)
+
+        return run
+
+    reference = (lists, counts)
+    tail_differs = lists.clone()
+    tail_differs[0, 0, 3] = 42  # past every list's end: not compared
+    assert mc._same_lists_after(writes(tail_differs, counts), ws, 2, reference)
+    page_differs = lists.clone()
+    page_differs[1, 0, 1] = 2
+    assert not mc._same_lists_after(writes(page_differs, counts), ws, 2, reference)
+    assert not mc._same_lists_after(writes(lists, counts + 1), ws, 2, reference)
+    assert not mc._same_lists_after(lambda: None, ws, 2, reference)  # writes nothing
