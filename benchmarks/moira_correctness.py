@@ -682,24 +682,19 @@ ATTEND_SWEEP = [
     {"tile_pages": 4},
     {"tile_pages": 4, "num_stages": 2},
     {"tile_pages": 4, "num_warps": 8},
-    # fp8 caches only (on bf16 ones the same kernel as the default's).
-    {"fp8_convert": "early"},
-    {"fp8_convert": "early", "num_stages": 3},
-    {"fp8_convert": "early", "num_stages": 4},
-    {"fp8_convert": "early", "num_warps": 8},
 ]
 #: REFINE_LAUNCH candidates, timed as Estimate + Select with refine="wide" (the
 #: estimators named "...+wide" under --sweep-estimate-select); each must give the
-#: default's lists.
+#: default's lists. pipeline_stages 0: the serial loop.
 REFINE_SWEEP = [
+    {"pipeline_stages": 0},
     {"pipeline_stages": 2},
-    {"pipeline_stages": 3},
     {"num_warps": 8},
+    {"pipeline_stages": 0, "num_warps": 8},
     {"pipeline_stages": 2, "num_warps": 8},
-    {"pipeline_stages": 3, "num_warps": 8},
 ]
 #: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
-ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages", "fp8_convert")
+ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")
 ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNCH"}
 
 
@@ -903,8 +898,6 @@ def sweep_attend_launch(case, out, ws_lists, ws_pages, scales) -> list[dict]:
         reference = None
         # The default first: the reference every candidate's output is compared with.
         for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
-            if "fp8_convert" in changes and "k_scale" not in scales:
-                continue  # a bf16 cache: the default's kernel
             split = split_attend_changes(changes, schedule)
             if split is None:
                 continue

@@ -43,8 +43,9 @@ Steps (NAME[:ARG]):
   refine-sweep[:SHAPES]
                        the same for int8:mvar_top8+wide with queries x3 (wide pages to
                        refine), plus Estimate + Select under every REFINE_SWEEP launch
-                       (pipelined refine loop, warps), each checked against the default's
-                       lists, into refine_sweep.json (SHAPES default 4x131072,32x8192)
+                       (refine loop stages, the serial loop's 0 included, warps), each
+                       checked against the default's lists, into refine_sweep.json
+                       (SHAPES default 4x131072,32x8192)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
                        launch candidate (ATTEND_SWEEP, tile_pages included) under both

@@ -71,8 +71,6 @@ def test_attend_sweep_entries_split_by_schedule():
         {"num_stages": 4}, {"maxnreg": None}, {})  # fmt: skip
     assert mc.split_attend_changes({"tile_pages": 2, "maxnreg": None}, "pages") == (
         {"tile_pages": 2}, {"maxnreg": None}, {})  # fmt: skip
-    assert mc.split_attend_changes({"fp8_convert": "early", "num_stages": 3}, "lists") == (
-        {"fp8_convert": "early", "num_stages": 3}, {}, {})  # fmt: skip
     assert mc.split_attend_changes({"attend_fill_blocks": 792}, "pages") == (
         {}, {}, {"attend_fill_blocks": 792})  # fmt: skip
     # `pages` has no chunks: an entry that changes the chunk size does not apply.
@@ -93,15 +91,19 @@ def test_attend_sweep_names_only_known_settings():
         for key in changes:
             assert key in mc.moira.ATTEND_LAUNCH or key == "maxnreg" or key in fields, key
         assert changes.get("tile_pages", 1) in mc.moira.ATTEND_TILE_PAGES
-        assert changes.get("fp8_convert", "dot") in mc.moira.ATTEND_FP8_CONVERTS
     for name in mc.ATTEND_SCHEDULE_LAUNCH.values():
         assert isinstance(getattr(mc.moira, name), dict)
     assert "maxnreg" in mc.moira.ATTEND_PAGES_LAUNCH and "maxnreg" in mc.moira.ATTEND_LAUNCH
 
 
 def test_refine_sweep_names_only_refine_launch_settings():
+    # Each entry changes the default (whose lists are the sweep's reference), and the
+    # serial loop (pipeline_stages 0) stays among the timed alternatives.
+    default = mc.moira.REFINE_LAUNCH
     for changes in mc.REFINE_SWEEP:
-        assert changes and set(changes) <= set(mc.moira.REFINE_LAUNCH), changes
+        assert changes and set(changes) <= set(default), changes
+        assert {**default, **changes} != default, changes
+    assert any({**default, **c}["pipeline_stages"] == 0 for c in mc.REFINE_SWEEP)
 
 
 def test_refine_suffix_names_the_config_not_the_summaries():

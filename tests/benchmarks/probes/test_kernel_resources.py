@@ -238,29 +238,11 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
     assert int4["spill_bytes"] == 0 and int4["registers"] <= 128, int4
 
 
-def _attend_row(tmp_path, *args: str) -> dict:
-    return _kernel_row(tmp_path, "kernel_moira_attend_pages", "--kv-cache-dtype", "fp8",
-                       "--attend-schedule", "pages", *args)  # fmt: skip
-
-
-@pytest.mark.slow
-def test_fp8_attend_early_conversion_reads_v_by_ldmatrix(tmp_path):
-    """ATTEND_LAUNCH["fp8_convert"] = "early": the K/V loop no longer assembles V from
-    single-byte shared-memory loads (Triton 3.6: 636 instructions per page, "dot", against
-    394), and the kernel keeps 3 blocks per SM without spills."""
-    dot = _attend_row(tmp_path, "--attend-launch", '{"fp8_convert": "dot"}')
-    early = _attend_row(tmp_path, "--attend-launch", '{"fp8_convert": "early"}')
-    # The K/V loop: the largest loop that is not the scan over list lengths (the
-    # pages kernel's loops: the scan, the K/V loop, and the loop over lists around it).
-    assert max(early["sass_loop_instructions"]) < max(dot["sass_loop_instructions"])
-    assert early["spill_bytes"] == 0 and early["blocks_per_sm"] >= 3, early
-
-
 @pytest.mark.slow
 def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
-    """REFINE_LAUNCH["pipeline_stages"] > 0: the refine loop's keys arrive by
-    asynchronous copies (LDGSTS), where the default serial loop waits on plain global
-    loads (LDG) for each page in turn."""
+    """REFINE_LAUNCH["pipeline_stages"] > 0 (the default, 3): the refine loop's keys
+    arrive by asynchronous copies (LDGSTS), where the serial loop (0) waits on plain
+    global loads (LDG) for each page in turn."""
 
     def refine_loop_memory(*args: str) -> dict:
         row = _kernel_row(tmp_path, "kernel_moira_refine", "--refine", "wide", *args)
@@ -268,8 +250,8 @@ def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
         (memory,) = row["sass_loop_memory_ops"]
         return memory
 
-    serial = refine_loop_memory()
-    pipelined = refine_loop_memory("--refine-launch", '{"pipeline_stages": 2}')
+    serial = refine_loop_memory("--refine-launch", '{"pipeline_stages": 0}')
+    pipelined = refine_loop_memory("--refine-launch", '{"pipeline_stages": 3}')
     assert any(op.startswith("LDG.") for op in serial)
     assert not any(op.startswith("LDGSTS") for op in serial)
     assert any(op.startswith("LDGSTS") for op in pipelined)

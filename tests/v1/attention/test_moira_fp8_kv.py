@@ -206,32 +206,6 @@ def test_fp8_gamma_one_equals_dense_on_the_dequantized_cache(schedule, layout, g
     assert torch.all(out[-1] == 7.0), "padded row was written"
 
 
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
-def test_fp8_attend_converts_early_to_the_same_output(schedule, monkeypatch):
-    """ATTEND_LAUNCH["fp8_convert"] = "early" (the e4m3 -> fp16 cast in the loaded tile's
-    layout; PTX on the GPU, the cast here) gives the default's output bit for bit, on a
-    sparse step; an unknown value is refused with the allowed ones."""
-    seq_lens = [64 * 9 + 5, 64 * 4, 1]
-    kv8, _, summaries, table, seq, query = _fp8_batch(
-        seq_lens, 2, 4, 64, "token_major", "mvar_top8", "int8", "concentrated"
-    )
-    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 3}
-    config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, **splits)
-    outputs = {}
-    for convert in ("dot", "early"):
-        monkeypatch.setitem(moira.ATTEND_LAUNCH, "fp8_convert", convert)
-        ws = moira.MoiraWorkspace(3, 8, 2, 64, table.shape[1], config, "cpu")
-        out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
-        moira.moira_decode(query, kv8, summaries, table, seq, out, ws, 0.125, **_scales())
-        outputs[convert] = out
-    assert torch.isfinite(outputs["dot"].float()).all()
-    assert torch.equal(outputs["dot"], outputs["early"])
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "fp8_convert", "late")
-    ws = moira.MoiraWorkspace(3, 8, 2, 64, table.shape[1], config, "cpu")
-    with pytest.raises(ValueError, match=r"fp8_convert'\] must be one of \('dot', 'early'\)"):
-        moira.moira_decode(query, kv8, summaries, table, seq, out, ws, 0.125, **_scales())
-
-
 @pytest.mark.parametrize(
     ("schedule", "layout", "group", "pattern", "gamma", "estimator", "summary_dtype"),
     [

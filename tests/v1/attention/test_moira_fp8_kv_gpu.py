@@ -133,49 +133,6 @@ def test_e4m3_to_fp16_conversion_is_exact():
         assert torch.equal(dst, src.float().to(torch.float16)), warps
 
 
-def test_e4m3_to_fp16_by_ptx_is_exact():
-    # ATTEND_LAUNCH["fp8_convert"] = "early" converts by PTX (_e4m3_to_fp16):
-    # every finite e4m3 byte, in order, at every position of a page tile.
-    import torch
-    import triton
-    import triton.language as tl
-    from vllm.v1.attention.backends.moira import _e4m3_to_fp16
-
-    @triton.jit
-    def kernel_convert(src_ptr, dst_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
-        offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-        tl.store(dst_ptr + offs, _e4m3_to_fp16(tl.load(src_ptr + offs), True))
-
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    finite = codes[(codes & 0x7F) != 0x7F]
-    gen = torch.Generator().manual_seed(1)
-    picks = finite[torch.randint(0, finite.numel(), (64 * 128,), generator=gen)]
-    picks[: finite.numel()] = finite
-    src = picks.view(64, 128).view(torch.float8_e4m3fn).cuda()
-    for warps in (2, 4):
-        dst = torch.full((64, 128), 99.0, dtype=torch.float16, device="cuda")
-        kernel_convert[(1,)](src, dst, ROWS=64, COLS=128, num_warps=warps)
-        assert torch.equal(dst, src.float().to(torch.float16)), warps
-
-
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
-def test_fp8_attend_converts_early_to_the_same_bits(case, schedule, monkeypatch):
-    # The "early" fp8 conversion (a sweep candidate) gives the default's output
-    # bit for bit: the same fp16 values meet the same products.
-    import torch
-    from vllm.v1.attention.backends import moira
-
-    from benchmarks import moira_correctness as mc
-
-    config = _config(schedule, gamma=0.98)
-    outputs = {}
-    for convert in ("dot", "early"):
-        monkeypatch.setitem(moira.ATTEND_LAUNCH, "fp8_convert", convert)
-        outputs[convert], _ = mc.run_moira(case, config)
-    assert torch.isfinite(outputs["dot"].float()).all()
-    assert torch.equal(outputs["dot"], outputs["early"])
-
-
 @pytest.mark.parametrize("name", ["int8:mvar_top8", "mvar_top4"])
 def test_fp8_estimate_writes_filled_pages_like_the_writer(name):
     # On an fp8 cache too, the decode step's summary write (Estimate,

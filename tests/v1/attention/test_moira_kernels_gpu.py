@@ -347,11 +347,12 @@ def test_refine_log_masses_and_lists_equal_reference(wide_case):
 
 @pytest.mark.parametrize(
     "launch",
-    [{"pipeline_stages": 2}, {"pipeline_stages": 3}, {"pipeline_stages": 2, "num_warps": 8}],
+    [{"pipeline_stages": 3}, {"pipeline_stages": 2}, {"pipeline_stages": 2, "num_warps": 8}],
 )
 def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monkeypatch):
-    # REFINE_LAUNCH candidates (moira_correctness.REFINE_SWEEP): the same
-    # log-masses and lists as the default serial loop, bit for bit.
+    # The pipelined refine loop (REFINE_LAUNCH's default, 3 stages, and the
+    # moira_correctness.REFINE_SWEEP candidates): the same log-masses and lists
+    # as the serial loop (pipeline_stages 0), bit for bit.
     import torch
     from vllm.v1.attention.backends import moira
 
@@ -359,8 +360,9 @@ def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monk
 
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
     results = []
-    for changes in ({}, launch):
-        for key, value in changes.items():
+    default = dict(moira.REFINE_LAUNCH)
+    for changes in ({"pipeline_stages": 0}, launch):
+        for key, value in {**default, **changes}.items():
             monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
         ws = mc.workspace(wide_case, config)
         moira.estimate_and_select(wide_case["query"], wide_case["kv"], wide_case["summaries"],

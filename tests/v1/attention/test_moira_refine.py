@@ -103,18 +103,18 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
     assert seen > 0
 
 
-@pytest.mark.parametrize("launch", [{"pipeline_stages": 2}, {"pipeline_stages": 3, "num_warps": 8}])
+@pytest.mark.parametrize("launch", [{"pipeline_stages": 3}, {"pipeline_stages": 2, "num_warps": 8}])
 def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeypatch):
     """REFINE_LAUNCH["pipeline_stages"] > 0 (the refined pages compacted, then a
-    software-pipelined loop over them) writes the log-masses and lists of the default
-    serial loop, bit for bit; values outside 0..6 are refused."""
+    software-pipelined loop over them; 3 is the default) writes the log-masses and lists
+    of the serial loop (pipeline_stages 0), bit for bit; values outside 0..6 are refused."""
     batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
                               "concentrated", seed=3, query_scale=3.0,
                               summary_dtype="int8")  # fmt: skip
     kv, summaries, table, seq, query = batch
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
     results = []
-    for changes in ({}, launch):
+    for changes in ({"pipeline_stages": 0}, launch):
         for key, value in {**moira.REFINE_LAUNCH, **changes}.items():
             monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
         ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")

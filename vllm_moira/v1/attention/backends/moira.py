@@ -149,10 +149,9 @@ SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
 # Attend (paper App. A: 4 warps, 3 stages; maxnreg None: ptxas's choice).
 # num_stages None: by the KV cache's dtype (ATTEND_STAGES_BY_KV); a number sets
 # both (launch sweeps, probes). tile_pages: list entries (pages) per iteration
-# of the K/V loop, 1, 2 or 4. fp8_convert (fp8 caches): where the e4m3 K/V
-# tiles become fp16 (ATTEND_FP8_CONVERTS).
+# of the K/V loop, 1, 2 or 4.
 ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": None,
-                                 "tile_pages": 1, "fp8_convert": "dot"}  # fmt: skip
+                                 "tile_pages": 1}  # fmt: skip
 # An fp8 page is half a bf16 page's bytes, so 5 stages take about the shared
 # memory of 3 bf16 ones (3 blocks per SM still fit) and keep more pages in
 # flight, which fp8 pages need: one page per iteration leaves bf16's loop
@@ -161,16 +160,6 @@ ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": 
 ATTEND_STAGES_BY_KV = {"bf16": 3, "fp8": 5}
 #: ATTEND_LAUNCH["tile_pages"] values: the tile's token count must be a power of 2.
 ATTEND_TILE_PAGES = (1, 2, 4)
-#: ATTEND_LAUNCH["fp8_convert"] values. "dot": a plain cast, which Triton moves
-#: to the dot operands: on sm_90 8-bit operands cannot be transposed by
-#: ldmatrix, so V (tokens are its reduction dimension, channels contiguous) is
-#: read from shared memory one byte at a time (636 SASS instructions per page
-#: in the K/V loop against bf16's 343). "early": the cast by PTX that Triton
-#: cannot move, in the loaded tile's layout, so fp16 tiles go back through
-#: shared memory to ldmatrix (394 instructions, 69.6 KB of shared memory at 5
-#: stages, still 3 blocks per SM; benchmarks/probes/kernel_resources.py). The
-#: same fp16 values either way. Not timed on the H200 yet: a sweep candidate.
-ATTEND_FP8_CONVERTS = ("dot", "early")
 # attend_schedule="pages": the register cap that fits 3 blocks per SM (the
 # N_F that ATTEND_BLOCKS_PER_SM counts on) with no spills.
 ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
@@ -2073,8 +2062,11 @@ _REFINE_TILE_PAGES = 64
 # and page in the sm_90 SASS; ~1.9 TB/s on the H200 with every page refined).
 # k > 0: the refined pages compacted first, then a loop over them that Triton
 # software-pipelines k deep (asynchronous copies of the next pages' keys).
-# The same log-masses either way. A sweep candidate, not timed yet.
-REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 0, "num_warps": 4}
+# The same log-masses and lists either way. 3 stages: Estimate + Select with
+# refine="wide" on the H200 takes 182 us against the serial loop's 266 at
+# 32x8192 with 21% of pages refined (the refined pages' key loads overlap),
+# and 598 against 590 us at 4x131072 with every page refined.
+REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 3, "num_warps": 4}
 
 
 def _select_stats_width(group_size: int) -> int:
@@ -2317,31 +2309,6 @@ def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
 
 
 @triton.jit
-def _e4m3_to_fp16(x, PTX: tl.constexpr):
-    # e4m3 -> fp16 (exact). PTX: cvt.rn.f16x2.e4m3x2, two values per
-    # instruction, in inline assembly that Triton keeps where it is written
-    # (not pure: it is not moved past the loaded tile's layout into the dot's,
-    # ATTEND_FP8_CONVERTS "early"). Otherwise (the interpreter) the plain
-    # cast, the same values.
-    if PTX:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            constraints="=r,=r,r",
-            args=[x.to(tl.int8, bitcast=True)],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
-    else:
-        return x.to(tl.float16)
-
-
-@triton.jit
 def _attend_list_pages(
     q_row_ptr,  # [num_q_heads, HEAD_SIZE] bf16: the row's query
     kv_head_ptr,  # [num_blocks, ., PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8): its pages
@@ -2363,16 +2330,18 @@ def _attend_list_pages(
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
     TILE_PAGES: tl.constexpr,
-    FP8_CONVERT: tl.constexpr,
 ):
     # Online softmax of the G query heads over list entries [start, end):
     # returns the unnormalized output, the running max (base 2) and sum.
     # KV_FP8: the pages' e4m3 K and V are converted to fp16 (exact) and meet
     # q and p in fp16; the layer's scales are per tensor, so k_scale joins the
     # softmax scale and v_scale multiplies the chunk's output once, which is
-    # attention over the dequantized K and V. FP8_CONVERT: 0 = a plain cast
-    # (Triton converts in the dot operands' layout), 1 / 2 = _e4m3_to_fp16 in
-    # the loaded tile's layout (1: the interpreter's cast, 2: PTX).
+    # attention over the dequantized K and V. A plain cast, which Triton moves
+    # to the dot operands' layout: on sm_90 V's 8-bit tile is then read from
+    # shared memory a byte at a time (ldmatrix cannot transpose 8-bit
+    # operands), yet a PTX cast in the loaded tile's layout, which sends fp16
+    # tiles through shared memory to ldmatrix instead, made Attend slower on
+    # the H200 (117.5 against 86.8 us at 4x131072, 69.1 against 54.2 us at 32x8192).
     # TILE_PAGES list entries per iteration: one K and one V tile of
     # TILE_PAGES * PAGE_SIZE tokens gathered from as many blocks. An fp8 page
     # is half a bf16 page's bytes, so one page per iteration leaves fewer
@@ -2413,12 +2382,8 @@ def _attend_list_pages(
         k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         if KV_FP8:
-            if FP8_CONVERT == 0:
-                k = k.to(tl.float16)
-                v = v.to(tl.float16)
-            else:
-                k = _e4m3_to_fp16(k, FP8_CONVERT == 2)
-                v = _e4m3_to_fp16(v, FP8_CONVERT == 2)
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(mask_t[None, :], s, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(s, axis=1))
@@ -2467,7 +2432,6 @@ def kernel_moira_attend(
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     TILE_PAGES: tl.constexpr = 1,
-    FP8_CONVERT: tl.constexpr = 0,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -2505,7 +2469,6 @@ def kernel_moira_attend(
         page_list_ptr + row * stride_pl_row + head * stride_pl_head,
         seq_len, start, end, scale, k_scale, v_scale, q_heads, mask_g, stride_q_head,
         stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, KV_FP8, TILE_PAGES,
-        FP8_CONVERT,
     )  # fmt: skip
 
     acc = acc / running_sum[:, None]
@@ -2597,7 +2560,6 @@ def kernel_moira_attend_pages(
     LISTS_TILE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     TILE_PAGES: tl.constexpr = 1,
-    FP8_CONVERT: tl.constexpr = 0,
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
@@ -2645,7 +2607,7 @@ def kernel_moira_attend_pages(
                 page_list_ptr + row * stride_pl_row + head * stride_pl_head,
                 tl.load(seq_lens_ptr + row), lo, hi, scale, k_scale, v_scale, q_heads, mask_g,
                 stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE,
-                PAGE_SIZE, KV_FP8, TILE_PAGES, FP8_CONVERT,
+                PAGE_SIZE, KV_FP8, TILE_PAGES,
             )  # fmt: skip
             acc = acc / running_sum[:, None]
             if (lo == 0) & (hi == n):
@@ -2890,12 +2852,6 @@ def _attend_arguments(
             f"Moira: ATTEND_LAUNCH['tile_pages'] must be one of {ATTEND_TILE_PAGES}, got "
             f"{ATTEND_LAUNCH['tile_pages']!r}"
         )
-    fp8_convert = ATTEND_LAUNCH["fp8_convert"]
-    if fp8_convert not in ATTEND_FP8_CONVERTS:
-        raise ValueError(
-            f"Moira: ATTEND_LAUNCH['fp8_convert'] must be one of {ATTEND_FP8_CONVERTS}, got "
-            f"{fp8_convert!r}"
-        )
     leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
                workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg,
                scale)  # fmt: skip
@@ -2910,8 +2866,6 @@ def _attend_arguments(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         KV_FP8=kv_fp8,
         TILE_PAGES=ATTEND_LAUNCH["tile_pages"],
-        # One compiled variant for bf16 caches whatever the setting.
-        FP8_CONVERT=0 if fp8_convert == "dot" or not kv_fp8 else 1 if _triton_interpreting() else 2,
         num_warps=ATTEND_LAUNCH["num_warps"],
         num_stages=attend_num_stages(kv_fp8),
         **_dependent_launch(),
