@@ -56,8 +56,8 @@ Steps (NAME[:ARG]):
   accuracy-suite[:ENGINES]
                        run_accuracy_vllm.py suite: the engines side by side on the GPU,
                        then merge, into OUT/accuracy_suite (ENGINES: comma-separated of
-                       dense, moira, moira_mvar, moira_refine; default the first
-                       three); needs --acc-prompts
+                       dense, moira, moira_mvar, moira_refine, moira_int4; default
+                       the first three); needs --acc-prompts
                        and --acc-model
   tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
                        --acc-prompts): FLASH_ATTN, then MOIRA coverage at gamma 0.99 and

@@ -25,7 +25,8 @@ Three steps:
    on the same documents. The estimator is fixed when the KV cache is allocated
    (``--estimator`` sets ``MOIRA_ESTIMATOR``), so the paper's ``mvar`` is its own engine:
    ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed`` (and ``--refine wide``,
-   ``MOIRA_REFINE``, likewise; its arms are labelled ``moira[mvar_top8+wide]@g``). Documents run in
+   ``MOIRA_REFINE``, likewise; its arms are labelled ``moira[mvar_top8+wide]@g``; and
+   ``--summary-dtype int4``, labelled ``moira[int4:mvar_top8]@g``). Documents run in
    chunks of one context (``--chunk-tokens``) and every arm runs on a chunk before the next
    chunk: with prefix caching (on by default) the later arms reuse the first arm's prefill,
    so an arm costs little more than its decode steps. Reads: Select's counters, reset
@@ -352,8 +353,12 @@ def run(args) -> None:
         from vllm.v1.worker import moira_rpc
 
         config = moira.moira_config_from_env()
-        # Arms of a refining engine are labelled apart ("moira[mvar_top8+wide]@0.99").
+        # Arms of a refining engine, or of one on int4 summaries, are labelled apart
+        # ("moira[mvar_top8+wide]@0.99", "moira[int4:mvar_top8]@0.99"), as the
+        # estimator study names them.
         estimator = config.estimator + ("+wide" if config.refine == "wide" else "")
+        if config.summary_dtype == "int4":
+            estimator = f"int4:{estimator}"
     arms = plan_arms(
         args.backend, estimator, args.gammas, args.control, None if args.no_fixed else args.fixed_at
     )
@@ -485,6 +490,11 @@ SUITE_ENGINES: dict[str, list[str]] = {
     # The default estimator with Estimate's second stage (MOIRA_REFINE=wide).
     "moira_refine": [
         "--backend", "MOIRA", "--refine", "wide", "--gammas", "0.99", "0.98",
+        "--no-control", "--no-fixed",
+    ],
+    # The default estimator on int4 summaries (4-bit stored keys: 7/256 of the KV cache).
+    "moira_int4": [
+        "--backend", "MOIRA", "--summary-dtype", "int4", "--gammas", "0.99", "0.98",
         "--no-control", "--no-fixed",
     ],
 }  # fmt: skip

@@ -99,3 +99,11 @@ def test_the_refine_engine_is_opt_in_and_labels_its_arms_apart():
         "moira[mvar_top8+wide]@0.99",
         "moira[mvar_top8+wide]@0.98",
     ]
+
+
+def test_the_int4_engine_is_opt_in_and_sets_the_summary_dtype():
+    commands = R.suite_commands(_args("--engines", "dense", "moira_int4"))
+    int4 = commands["moira_int4"][0]
+    assert _value(int4, "--summary-dtype") == "int4" and "--no-fixed" in int4
+    assert R.build_parser().parse_args(int4[int4.index("run") :]).summary_dtype == "int4"
+    assert "moira_int4" not in R.suite_commands(_args())
