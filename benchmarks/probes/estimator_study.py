@@ -157,6 +157,12 @@ PC_RE = re.compile(r"^top(\d+)_pc(\d+)(?:_(max|bennett))?$")
 SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
 
 
+#: ``sub<parts>`` / ``subrem<parts>``: Eq. 2 on each of a page's ``parts`` runs of
+#: consecutive keys, the runs' masses added (``research.sub_page_logmass``; float32
+#: summaries of ``2 * parts`` slots), with mvar's or REM's spread term
+SUB_RE = re.compile(r"^sub(rem)?(\d+)$")
+
+
 def parse_pc(name: str) -> tuple[int, int, str | None] | None:
     """``(r, k, cap rule or None)`` of a ``PC_RE`` name, None for other names."""
     m = PC_RE.match(name)
@@ -268,6 +274,10 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
         summaries = {}
         for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
+            sub = SUB_RE.match(e)
+            if sub:
+                summaries[e] = research.summarize_sub_pages(pages, int(sub.group(2)))
+                continue
             pc = parse_pc(e)
             if pc:
                 make = research.summarize_top_pc_bound if pc[2] else research.summarize_top_pc
@@ -301,7 +311,11 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                 spread = parse_spread(e)
                 pc = parse_pc(e)
                 sampled = SAMPLED_RE.match(e)
-                if sampled:
+                sub = SUB_RE.match(e)
+                if sub:
+                    summ = summaries[e][page_rows]
+                    est = research.sub_page_logmass(q, summ, scale, rem=bool(sub.group(1)))
+                elif sampled:
                     n_in = seq_len // H.PAGE  # full pages; the current page is exact below
                     est = exact.clone()
                     if n_in > 0:

@@ -470,3 +470,33 @@ def sampled_logmass(
     count = sampled.sum(dim=-1).clamp_min(1).float()  # [n, H]
     weight = torch.log((page - r) / count).t().unsqueeze(1)  # [H, 1, n]
     return torch.logaddexp(torch.logsumexp(top, -1), torch.logsumexp(samp, -1) + weight)
+
+
+def summarize_sub_pages(pages: torch.Tensor, parts: int) -> torch.Tensor:
+    """Mean and population variance of each of a page's ``parts`` runs of ``64 / parts``
+    consecutive keys: ``pages`` ``[n, H_kv, 64, D]`` -> ``[n, H_kv, 2 * parts, D]`` fp32
+    (slots ``2j`` and ``2j + 1``: run ``j``'s mean and variance)."""
+    n, h_kv, page, d = pages.shape
+    if parts < 1 or page % parts:
+        raise ValueError(f"parts must divide {page}, got {parts}")
+    runs = pages.float().view(n, h_kv, parts, page // parts, d)
+    mean = runs.mean(dim=-2)
+    var = runs.var(dim=-2, unbiased=False)
+    return torch.stack([mean, var], dim=-2).reshape(n, h_kv, 2 * parts, d)
+
+
+def sub_page_logmass(
+    query: torch.Tensor, summ: torch.Tensor, scale: float, rem: bool
+) -> torch.Tensor:
+    """Eq. 2 on each run of a ``summarize_sub_pages`` summary ``[n, H_kv, 2 * parts, D]``,
+    the runs' masses added: ``logsumexp_j (x.mu_j + spread(x^2.var_j) + log(64 / parts))``
+    with ``x = s q`` and spread ``v / 2`` (mvar's) or REM's (``rem``). ``[H_kv, G, n]``."""
+    n, h_kv, slots, d = summ.shape
+    parts = slots // 2
+    count = ref.PAGE_SIZE // parts
+    x = query.float().view(h_kv, -1, d) * scale
+    runs = summ.float().view(n, h_kv, parts, 2, d)
+    mean_term = torch.einsum("hgd,nhjd->hgnj", x, runs[:, :, :, 0])
+    v = torch.einsum("hgd,nhjd->hgnj", x * x, runs[:, :, :, 1])
+    spread = ref.rem_spread(v, count) if rem else 0.5 * v
+    return torch.logsumexp(mean_term + spread + math.log(count), dim=-1)

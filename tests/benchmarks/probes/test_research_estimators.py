@@ -318,3 +318,27 @@ def test_cap_refined_keeps_the_largest_shares():
     assert torch.equal(research.cap_refined(mask, pibar, float("inf")), mask)
     assert not research.cap_refined(mask, pibar, 0.0).any()
     assert torch.equal(research.cap_refined(mask, pibar, 1.0), mask)  # more room than pages
+
+
+def test_sub_page_estimate_spans_mvar_to_the_exact_mass():
+    # One run of 64 keys is the paper's mvar; 64 runs of one key (variance 0) are the
+    # exact log-mass; runs in between add their Gaussian terms.
+    torch.manual_seed(0)
+    n, h_kv, g, d = 5, 2, 3, 16
+    pages = torch.randn(n, h_kv, ref.PAGE_SIZE, d)
+    query = torch.randn(h_kv * g, d)
+    scale = d**-0.5
+    one = research.summarize_sub_pages(pages, 1)
+    mvar = ref.mvar_page_logmass(query, one, scale)
+    assert torch.allclose(research.sub_page_logmass(query, one, scale, rem=False), mvar)
+    every = research.summarize_sub_pages(pages, ref.PAGE_SIZE)
+    logits = torch.einsum("hgd,nhtd->hgnt", query.view(h_kv, g, d) * scale, pages)
+    exact = torch.logsumexp(logits, dim=-1)
+    for rem in (False, True):
+        got = research.sub_page_logmass(query, every, scale, rem=rem)
+        assert torch.allclose(got, exact, atol=1e-5)
+    four = research.summarize_sub_pages(pages, 4)
+    assert four.shape == (n, h_kv, 8, d)
+    assert torch.allclose(four[:, :, 2], pages[:, :, 16:32].mean(dim=-2))
+    with pytest.raises(ValueError, match="must divide"):
+        research.summarize_sub_pages(pages, 3)
