@@ -2113,7 +2113,7 @@ def kernel_moira_refine(
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KV_FP8: tl.constexpr,
-    PIPELINE_STAGES: tl.constexpr = 0,
+    PIPELINE_STAGES: tl.constexpr,  # REFINE_LAUNCH["pipeline_stages"]
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
