@@ -497,10 +497,31 @@ SUITE_ENGINES: dict[str, list[str]] = {
         "--backend", "MOIRA", "--summary-dtype", "int4", "--gammas", "0.99", "0.98",
         "--no-control", "--no-fixed",
     ],
+    # Both: int4 summaries with the refinement (the refinement reads the cache's own keys).
+    "moira_int4_refine": [
+        "--backend", "MOIRA", "--summary-dtype", "int4", "--refine", "wide",
+        "--gammas", "0.99", "0.98", "--no-control", "--no-fixed",
+    ],
 }  # fmt: skip
 
 
 DEFAULT_SUITE_ENGINES = ("dense", "moira", "moira_mvar")
+#: What the engines' KV caches may take together (GiB): three engines at the 30 GiB default
+#: fit one H200 beside their weights; more engines share it.
+SUITE_KV_CACHE_GIB = 90.0
+SUITE_DEFAULT_KV_CACHE_GIB = 30.0
+SUITE_DEFAULT_CHUNK_TOKENS = 800_000
+
+
+def suite_kv_sizes(args: argparse.Namespace) -> tuple[float, int]:
+    """Each engine's KV cache (GiB) and chunk (prompt tokens): the options where given,
+    else 30 GiB and 800,000 tokens, both scaled down where more than three engines share
+    the GPU (the chunk must stay within the cache, or later arms find their prefill
+    evicted)."""
+    scale = min(1.0, SUITE_KV_CACHE_GIB / SUITE_DEFAULT_KV_CACHE_GIB / len(args.engines))
+    kv_gib = args.kv_cache_memory_gib or round(SUITE_DEFAULT_KV_CACHE_GIB * scale, 1)
+    chunk = args.chunk_tokens or int(SUITE_DEFAULT_CHUNK_TOKENS * scale)
+    return kv_gib, chunk
 
 
 def suite_commands(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -510,6 +531,7 @@ def suite_commands(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[
     out_dir = Path(args.out_dir)
     # Engines side by side: a share of the GPU each, and the KV cache sized, not profiled.
     share = round(min(0.9 / len(args.engines), 0.85), 2)
+    kv_gib, chunk = suite_kv_sizes(args)
     commands = {}
     for name in args.engines:
         cmd = [
@@ -518,8 +540,8 @@ def suite_commands(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[
             "--prompts", args.prompts, "--model", args.model,
             "--kv-cache-dtype", args.kv_cache_dtype,
             "--gpu-memory-utilization", str(share),
-            "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
-            "--chunk-tokens", str(args.chunk_tokens),
+            "--kv-cache-memory-gib", str(kv_gib),
+            "--chunk-tokens", str(chunk),
             "--out", str(out_dir / f"{name}.json"),
         ]  # fmt: skip
         if args.contexts:
@@ -802,19 +824,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SUITE_ENGINES),
         choices=sorted(SUITE_ENGINES),
         help=f"which engines (default: {' '.join(DEFAULT_SUITE_ENGINES)}; three fit one H200 "
-        "at the default KV cache)",
+        "at the default KV cache; more share 90 GiB of it)",
     )
     su.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     su.add_argument("--contexts", type=int, nargs="+", help="only these contexts")
-    su.add_argument("--kv-cache-memory-gib", type=float, default=30.0,
-                    help="each engine's KV cache (default 30)")  # fmt: skip
+    su.add_argument(
+        "--kv-cache-memory-gib",
+        type=float,
+        default=0.0,
+        help="each engine's KV cache (default 30, scaled by 3/N for N > 3 engines)",
+    )
     su.add_argument(
         "--chunk-tokens",
         type=int,
-        default=800_000,
+        default=0,
         help="each engine's --chunk-tokens; keep a chunk within the KV cache, or the later "
-        "arms find their prefill evicted (default 800000: 1.5B Qwen's 28 KiB per token "
-        "fill 22 GiB)",
+        "arms find their prefill evicted (default 800000, scaled as the KV cache: 1.5B "
+        "Qwen's 28 KiB per token fill 22 GiB)",
     )
     su.add_argument("--budget-s", type=float, default=0.0, help="each engine's --budget-s")
     su.add_argument("--resume", action="store_true", help="continue incomplete records")

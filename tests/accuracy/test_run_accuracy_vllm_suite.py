@@ -107,3 +107,26 @@ def test_the_int4_engine_is_opt_in_and_sets_the_summary_dtype():
     assert _value(int4, "--summary-dtype") == "int4" and "--no-fixed" in int4
     assert R.build_parser().parse_args(int4[int4.index("run") :]).summary_dtype == "int4"
     assert "moira_int4" not in R.suite_commands(_args())
+
+
+def test_four_engines_share_the_kv_cache_and_keep_their_chunks_within_it():
+    engines = ("dense", "moira_refine", "moira_int4", "moira_int4_refine")
+    commands = R.suite_commands(_args("--engines", *engines))
+    for cmd, _ in commands.values():
+        # 90 GiB of KV cache over four engines, the chunk scaled alike (3/4 of each)
+        assert float(_value(cmd, "--kv-cache-memory-gib")) == 22.5
+        assert int(_value(cmd, "--chunk-tokens")) == 600_000
+        assert float(_value(cmd, "--gpu-memory-utilization")) == 0.23
+    # given sizes win over the scaled defaults
+    given = R.suite_commands(
+        _args("--engines", *engines, "--kv-cache-memory-gib", "12", "--chunk-tokens", "1000")
+    )
+    for cmd, _ in given.values():
+        assert _value(cmd, "--kv-cache-memory-gib") == "12.0"
+        assert _value(cmd, "--chunk-tokens") == "1000"
+
+
+def test_the_int4_refine_engine_sets_both():
+    cmd = R.suite_commands(_args("--engines", "dense", "moira_int4_refine"))["moira_int4_refine"][0]
+    args = R.build_parser().parse_args(cmd[cmd.index("run") :])
+    assert args.summary_dtype == "int4" and args.refine == "wide" and args.no_fixed
