@@ -506,32 +506,51 @@ SUITE_ENGINES: dict[str, list[str]] = {
 
 
 DEFAULT_SUITE_ENGINES = ("dense", "moira", "moira_mvar")
-#: What the engines' KV caches may take together (GiB): three engines at the 30 GiB default
-#: fit one H200 beside their weights; more engines share it.
+#: What the engines' KV caches may take together: at most 90 GiB (three engines at the
+#: 30 GiB default beside their weights on one H200) and at most this share of the GPU's
+#: memory (the rest is weights, activations and graphs; 78 GiB H100s take 47 GiB).
 SUITE_KV_CACHE_GIB = 90.0
+SUITE_KV_CACHE_SHARE = 0.6
 SUITE_DEFAULT_KV_CACHE_GIB = 30.0
 SUITE_DEFAULT_CHUNK_TOKENS = 800_000
 
 
-def suite_kv_sizes(args: argparse.Namespace) -> tuple[float, int]:
+def suite_kv_total_gib() -> float:
+    """The engines' KV caches together (GiB): SUITE_KV_CACHE_GIB, less on a smaller GPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(0).total_memory / 2**30
+            return min(SUITE_KV_CACHE_GIB, round(SUITE_KV_CACHE_SHARE * total, 1))
+    except ImportError:
+        pass
+    return SUITE_KV_CACHE_GIB
+
+
+def suite_kv_sizes(args: argparse.Namespace, total_gib: float | None = None) -> tuple[float, int]:
     """Each engine's KV cache (GiB) and chunk (prompt tokens): the options where given,
-    else 30 GiB and 800,000 tokens, both scaled down where more than three engines share
-    the GPU (the chunk must stay within the cache, or later arms find their prefill
-    evicted)."""
-    scale = min(1.0, SUITE_KV_CACHE_GIB / SUITE_DEFAULT_KV_CACHE_GIB / len(args.engines))
-    kv_gib = args.kv_cache_memory_gib or round(SUITE_DEFAULT_KV_CACHE_GIB * scale, 1)
+    else 30 GiB and 800,000 tokens, both scaled down where the engines' caches together
+    would exceed ``total_gib`` (suite_kv_total_gib; the chunk must stay within the cache,
+    or later arms find their prefill evicted)."""
+    if total_gib is None:
+        total_gib = suite_kv_total_gib()
+    scale = min(1.0, total_gib / SUITE_DEFAULT_KV_CACHE_GIB / len(args.engines))
+    kv_gib = args.kv_cache_memory_gib or round(SUITE_DEFAULT_KV_CACHE_GIB * scale, 2)
     chunk = args.chunk_tokens or int(SUITE_DEFAULT_CHUNK_TOKENS * scale)
     return kv_gib, chunk
 
 
-def suite_commands(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
+def suite_commands(
+    args: argparse.Namespace, total_gib: float | None = None
+) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Each engine's ``run`` command line and its extra environment. Every engine gets its
     own compile cache (``VLLM_CACHE_ROOT``): two engines of one model whose configs hash
     alike (MOIRA with two estimators) would otherwise write one cache entry at once."""
     out_dir = Path(args.out_dir)
     # Engines side by side: a share of the GPU each, and the KV cache sized, not profiled.
     share = round(min(0.9 / len(args.engines), 0.85), 2)
-    kv_gib, chunk = suite_kv_sizes(args)
+    kv_gib, chunk = suite_kv_sizes(args, total_gib)
     commands = {}
     for name in args.engines:
         cmd = [
@@ -824,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SUITE_ENGINES),
         choices=sorted(SUITE_ENGINES),
         help=f"which engines (default: {' '.join(DEFAULT_SUITE_ENGINES)}; three fit one H200 "
-        "at the default KV cache; more share 90 GiB of it)",
+        "at the default KV cache; more, or a smaller GPU, share less)",
     )
     su.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     su.add_argument("--contexts", type=int, nargs="+", help="only these contexts")
@@ -832,7 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-gib",
         type=float,
         default=0.0,
-        help="each engine's KV cache (default 30, scaled by 3/N for N > 3 engines)",
+        help="each engine's KV cache (default 30, scaled down where the engines' caches "
+        "together would exceed 90 GiB or 0.6 of the GPU's memory)",
     )
     su.add_argument(
         "--chunk-tokens",

@@ -20,7 +20,7 @@ def _value(cmd: list[str], flag: str) -> str:
 
 
 def test_every_engine_gets_its_own_record_cache_and_fixed_kv_memory():
-    commands = R.suite_commands(_args())
+    commands = R.suite_commands(_args(), total_gib=90.0)
     assert list(commands) == ["dense", "moira", "moira_mvar"]
     caches = set()
     for name, (cmd, env) in commands.items():
@@ -111,7 +111,7 @@ def test_the_int4_engine_is_opt_in_and_sets_the_summary_dtype():
 
 def test_four_engines_share_the_kv_cache_and_keep_their_chunks_within_it():
     engines = ("dense", "moira_refine", "moira_int4", "moira_int4_refine")
-    commands = R.suite_commands(_args("--engines", *engines))
+    commands = R.suite_commands(_args("--engines", *engines), total_gib=90.0)
     for cmd, _ in commands.values():
         # 90 GiB of KV cache over four engines, the chunk scaled alike (3/4 of each)
         assert float(_value(cmd, "--kv-cache-memory-gib")) == 22.5
@@ -119,7 +119,8 @@ def test_four_engines_share_the_kv_cache_and_keep_their_chunks_within_it():
         assert float(_value(cmd, "--gpu-memory-utilization")) == 0.23
     # given sizes win over the scaled defaults
     given = R.suite_commands(
-        _args("--engines", *engines, "--kv-cache-memory-gib", "12", "--chunk-tokens", "1000")
+        _args("--engines", *engines, "--kv-cache-memory-gib", "12", "--chunk-tokens", "1000"),
+        total_gib=90.0,
     )
     for cmd, _ in given.values():
         assert _value(cmd, "--kv-cache-memory-gib") == "12.0"
@@ -130,3 +131,11 @@ def test_the_int4_refine_engine_sets_both():
     cmd = R.suite_commands(_args("--engines", "dense", "moira_int4_refine"))["moira_int4_refine"][0]
     args = R.build_parser().parse_args(cmd[cmd.index("run") :])
     assert args.summary_dtype == "int4" and args.refine == "wide" and args.no_fixed
+
+
+def test_a_smaller_gpu_scales_the_caches_down():
+    # an H100's 47 GiB for the caches: two engines 23.5 GiB each, the chunk alike
+    commands = R.suite_commands(_args("--engines", "dense", "moira"), total_gib=47.0)
+    for cmd, _ in commands.values():
+        assert float(_value(cmd, "--kv-cache-memory-gib")) == 23.5
+        assert int(_value(cmd, "--chunk-tokens")) == int(800_000 * 47.0 / 60.0)
