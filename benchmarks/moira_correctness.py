@@ -692,6 +692,11 @@ REFINE_SWEEP = [
     {"num_warps": 8},
     {"pipeline_stages": 0, "num_warps": 8},
     {"pipeline_stages": 2, "num_warps": 8},
+    {"tile_pages": 32},
+    {"tile_pages": 16},
+    {"tile_pages": 16, "pipeline_stages": 2},
+    {"tile_pages": 16, "num_warps": 2},
+    {"tile_pages": 16, "pipeline_stages": 0},
 ]
 #: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
 ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")

@@ -43,7 +43,7 @@ Steps (NAME[:ARG]):
   refine-sweep[:SHAPES]
                        the same for int8:mvar_top8+wide with queries x3 (wide pages to
                        refine), plus Estimate + Select under every REFINE_SWEEP launch
-                       (refine loop stages, the serial loop's 0 included, warps), each
+                       (refine loop stages, the serial loop's 0 included, warps, tiles), each
                        checked against the default's lists, into refine_sweep.json
                        (SHAPES default 4x131072,32x8192)
   attend-sweep[:SHAPES]

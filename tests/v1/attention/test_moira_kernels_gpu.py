@@ -347,12 +347,18 @@ def test_refine_log_masses_and_lists_equal_reference(wide_case):
 
 @pytest.mark.parametrize(
     "launch",
-    [{"pipeline_stages": 3}, {"pipeline_stages": 2}, {"pipeline_stages": 2, "num_warps": 8}],
+    [
+        {"pipeline_stages": 3},
+        {"pipeline_stages": 2},
+        {"pipeline_stages": 2, "num_warps": 8},
+        {"pipeline_stages": 3, "tile_pages": 16},
+        {"pipeline_stages": 3, "tile_pages": 32},
+    ],
 )
 def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monkeypatch):
     # The pipelined refine loop (REFINE_LAUNCH's default, 3 stages, and the
-    # moira_correctness.REFINE_SWEEP candidates): the same log-masses and lists
-    # as the serial loop (pipeline_stages 0), bit for bit.
+    # moira_correctness.REFINE_SWEEP candidates, smaller tiles among them): the
+    # same log-masses and lists as the serial loop over 64-page tiles, bit for bit.
     import torch
     from vllm.v1.attention.backends import moira
 
@@ -361,7 +367,7 @@ def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monk
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
     results = []
     default = dict(moira.REFINE_LAUNCH)
-    for changes in ({"pipeline_stages": 0}, launch):
+    for changes in ({"pipeline_stages": 0, "tile_pages": 64}, launch):
         for key, value in {**default, **changes}.items():
             monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
         ws = mc.workspace(wide_case, config)

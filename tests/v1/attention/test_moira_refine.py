@@ -18,6 +18,8 @@ SMALL_SPLITS = dict(
 )
 SCALE = 0.125  # head size 64
 SEQ_LENS = [64 * 12, 64 * 9 + 5, 100, 1]
+# A row over three 16-page refine tiles (REFINE_LAUNCH["tile_pages"]).
+TILED_SEQ_LENS = [64 * 40 + 7, 64 * 9 + 5, 100, 1]
 
 
 def _refined_mask(query, kv, summaries, table, seq, gamma, estimator):
@@ -103,26 +105,37 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
     assert seen > 0
 
 
-@pytest.mark.parametrize("launch", [{"pipeline_stages": 3}, {"pipeline_stages": 2, "num_warps": 8}])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"pipeline_stages": 3},
+        {"pipeline_stages": 2, "num_warps": 8},
+        {"pipeline_stages": 3, "tile_pages": 16},
+        {"pipeline_stages": 0, "tile_pages": 32},
+    ],
+)
 def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeypatch):
     """REFINE_LAUNCH["pipeline_stages"] > 0 (the refined pages compacted, then a
-    software-pipelined loop over them; 3 is the default) writes the log-masses and lists
-    of the serial loop (pipeline_stages 0), bit for bit; values outside 0..6 are refused."""
-    batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
-                              "concentrated", seed=3, query_scale=3.0,
-                              summary_dtype="int8")  # fmt: skip
+    software-pipelined loop over them; 3 is the default) and smaller tiles
+    (``tile_pages``: a list's pages over more programs) write the log-masses and lists
+    of the serial loop over 64-page tiles, bit for bit; values outside the allowed ones
+    are refused."""
+    batch = make_decode_batch(TILED_SEQ_LENS, 2, 3, 64, "token_major",
+                              moira.MOIRA_DEFAULT_ESTIMATOR, "concentrated", seed=3,
+                              query_scale=3.0, summary_dtype="int8")  # fmt: skip
     kv, summaries, table, seq, query = batch
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
     results = []
-    for changes in ({"pipeline_stages": 0}, launch):
+    for changes in ({"pipeline_stages": 0, "tile_pages": 64}, launch):
         for key, value in {**moira.REFINE_LAUNCH, **changes}.items():
             monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
-        ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+        ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
         moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
         results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
         monkeypatch.undo()
     masks = _refined_mask(query, kv, summaries, table, seq, 0.98, moira.MOIRA_DEFAULT_ESTIMATOR)
     assert sum(int(m.sum()) for m in masks if m is not None) > 1  # several pages refined
+    assert bool(masks[0][..., 16:].any())  # and some beyond the first 16-page tile
     (lm0, list0, count0), (lm1, list1, count1) = results
     assert torch.equal(count0, count1)
     for row, n in enumerate(seq.tolist()):
@@ -131,8 +144,12 @@ def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeyp
         for h in range(2):
             assert torch.equal(list0[row, h, : count0[row, h]], list1[row, h, : count1[row, h]])
     monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", 9)
-    ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+    ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
     with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['pipeline_stages'\] must be an integer"):
+        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+    monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", 3)
+    monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 8)
+    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['tile_pages'\] must be one of"):
         moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
 
 

@@ -2054,8 +2054,10 @@ def select_pages(
 # ==========================================================================
 # Refine (not in the paper): Estimate's second stage, refine="wide"
 # ==========================================================================
-# Pages per refine program: the candidate test is one [G, pages] tile.
-_REFINE_TILE_PAGES = 64
+# REFINE_LAUNCH["tile_pages"]: pages per refine program (the candidate test is
+# one [G, pages] tile; tl.dot needs at least 16). A program refines its tile's
+# pages one after another, so smaller tiles spread a list's refined pages over
+# more programs.
 # kernel_moira_refine's loop over the pages it refines. pipeline_stages 0:
 # every page of the tile in turn, a branch per page (each page's keys load
 # behind the previous page's softmax: 8 synchronous 16-byte loads per thread
@@ -2066,7 +2068,8 @@ _REFINE_TILE_PAGES = 64
 # refine="wide" on the H200 takes 182 us against the serial loop's 266 at
 # 32x8192 with 21% of pages refined (the refined pages' key loads overlap),
 # and 598 against 590 us at 4x131072 with every page refined.
-REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 3, "num_warps": 4}
+REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 3, "num_warps": 4, "tile_pages": 64}
+_REFINE_TILE_PAGES_ALLOWED = (16, 32, 64, 128)
 
 
 def _select_stats_width(group_size: int) -> int:
@@ -2255,12 +2258,18 @@ def refine_page_logmass(
     stats_rows = triton.next_power_of_2(group_size)  # Select's GROUP_ROWS
     assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, _REFINE_TILE_PAGES))
     stages = REFINE_LAUNCH["pipeline_stages"]
     if not isinstance(stages, int) or not 0 <= stages <= 6:
         raise ValueError(
             f"Moira: REFINE_LAUNCH['pipeline_stages'] must be an integer in 0..6, got {stages!r}"
         )
+    tile_pages = REFINE_LAUNCH["tile_pages"]
+    if tile_pages not in _REFINE_TILE_PAGES_ALLOWED:
+        raise ValueError(
+            f"Moira: REFINE_LAUNCH['tile_pages'] must be one of {_REFINE_TILE_PAGES_ALLOWED}, "
+            f"got {tile_pages!r}"
+        )
+    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, tile_pages))
     kernel_moira_refine[grid](
         query,
         kv_cache,
@@ -2282,7 +2291,7 @@ def refine_page_logmass(
         STATS_ROWS=stats_rows,
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=_REFINE_TILE_PAGES,
+        TILE_PAGES=tile_pages,
         NUM_TOP=num_top,
         INT8=int8,
         KV_FP8=kv_fp8,
