@@ -687,16 +687,13 @@ ATTEND_SWEEP = [
 #: estimators named "...+wide" under --sweep-estimate-select); each must give the
 #: default's lists. pipeline_stages 0: the serial loop.
 REFINE_SWEEP = [
+    {"tile_pages": 64},
+    {"tile_pages": 64, "pipeline_stages": 0},
+    {"tile_pages": 32},
     {"pipeline_stages": 0},
     {"pipeline_stages": 2},
+    {"num_warps": 2},
     {"num_warps": 8},
-    {"pipeline_stages": 0, "num_warps": 8},
-    {"pipeline_stages": 2, "num_warps": 8},
-    {"tile_pages": 32},
-    {"tile_pages": 16},
-    {"tile_pages": 16, "pipeline_stages": 2},
-    {"tile_pages": 16, "num_warps": 2},
-    {"tile_pages": 16, "pipeline_stages": 0},
 ]
 #: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
 ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")

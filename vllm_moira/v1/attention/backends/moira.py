@@ -103,6 +103,9 @@ MOIRA_DENSE_STEPS = ("moira", "fa3")
 #: REFINE_BELOW_NATS under Select's threshold (or above it) and whose spread term is
 #: large (REFINE_WIDE_FACTOR), then Select again (coverage rule only).
 MOIRA_REFINE_MODES = ("off", "wide")
+#: "wide": the default estimator alone drops needle pages that the refinement keeps
+#: (docs/estimator.md); its cost is in docs/results.md ("Estimator study").
+MOIRA_DEFAULT_REFINE = "wide"
 #: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
 REFINE_BELOW_NATS = 3.0
 REFINE_WIDE_FACTOR = 0.75
@@ -193,6 +196,7 @@ MOIRA_PAPER_SETTINGS: dict[str, Any] = {
     "attend_schedule": "lists",
     "dense_batch_tokens": 0,
     "dense_steps": "moira",
+    "refine": "off",
 }
 
 
@@ -241,7 +245,7 @@ class MoiraConfig:
     summary_dtype: str = MOIRA_DEFAULT_SUMMARY_DTYPE
     #: One of MOIRA_REFINE_MODES: Estimate's second stage (exact masses for the
     #: wide pages near the threshold; coverage rule only).
-    refine: str = "off"
+    refine: str = MOIRA_DEFAULT_REFINE
 
     @classmethod
     def paper(cls, **changes: Any) -> MoiraConfig:
@@ -333,7 +337,8 @@ class MoiraConfig:
             )
         if self.refine not in MOIRA_REFINE_MODES:
             raise ValueError(
-                f"Moira: {n('refine')} must be one of {MOIRA_REFINE_MODES} (default 'off'), "
+                f"Moira: {n('refine')} must be one of {MOIRA_REFINE_MODES} "
+                f"(default {MOIRA_DEFAULT_REFINE!r}), "
                 f"got {self.refine!r}"
             )
 
@@ -1932,9 +1937,13 @@ def kernel_moira_select(
     _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     count_ptr = page_count_ptr + row * stride_pc_row + head
     stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
-    if STORE_STATS:  # noqa: SIM102
-        # Empty and dense rows: nothing to refine (their lists: the second Select).
-        if (num_pages == 0) | dense_row:
+    if STORE_STATS:
+        # Empty and dense rows, fixed-count and gamma >= 1 rows: nothing to refine
+        # (their lists: the second Select). _select_row would store the same inf
+        # after both passes; returning here saves them (kernel_moira_refine reads
+        # nothing else of a list whose threshold is inf).
+        by_count = (tl.load(selector_ptr + 1) > 0.0) | (tl.load(selector_ptr + 2) > 0.0)
+        if (num_pages == 0) | dense_row | by_count | (gamma >= 1.0):
             tl.store(stats, float("inf"))
             return
     if num_pages == 0:
@@ -2057,18 +2066,20 @@ def select_pages(
 # REFINE_LAUNCH["tile_pages"]: pages per refine program (the candidate test is
 # one [G, pages] tile; tl.dot needs at least 16). A program refines its tile's
 # pages one after another, so smaller tiles spread a list's refined pages over
-# more programs.
+# more programs: 16-page tiles take Estimate + Select with refine="wide" from
+# 186 to 102 us at 32x8192 (21% of pages refined) and from 625 to 508 us at
+# 4x131072 (every page refined) on an H100, with the same lists.
 # kernel_moira_refine's loop over the pages it refines. pipeline_stages 0:
 # every page of the tile in turn, a branch per page (each page's keys load
 # behind the previous page's softmax: 8 synchronous 16-byte loads per thread
 # and page in the sm_90 SASS; ~1.9 TB/s on the H200 with every page refined).
 # k > 0: the refined pages compacted first, then a loop over them that Triton
 # software-pipelines k deep (asynchronous copies of the next pages' keys).
-# The same log-masses and lists either way. 3 stages: Estimate + Select with
-# refine="wide" on the H200 takes 182 us against the serial loop's 266 at
-# 32x8192 with 21% of pages refined (the refined pages' key loads overlap),
-# and 598 against 590 us at 4x131072 with every page refined.
-REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 3, "num_warps": 4, "tile_pages": 64}
+# The same log-masses and lists either way. 3 stages (64-page tiles): Estimate +
+# Select with refine="wide" on the H200 takes 182 us against the serial loop's
+# 266 at 32x8192 with 21% of pages refined (the refined pages' key loads
+# overlap), and 598 against 590 us at 4x131072 with every page refined.
+REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 3, "num_warps": 4, "tile_pages": 16}
 _REFINE_TILE_PAGES_ALLOWED = (16, 32, 64, 128)
 
 
