@@ -325,6 +325,7 @@ def speedup_rows(rows: list[dict]) -> list[dict]:
                 "dense_ms": d["tpot_ms"], "moira_ms": r["tpot_ms"],
                 "speedup": d["tpot_ms"] / r["tpot_ms"],
                 **({"attend_launch": r["attend_launch"]} if r.get("attend_launch") else {}),
+                **({"refine": r["refine"]} if r.get("refine") else {}),
             }  # fmt: skip
             d_bf16 = dense.get(key(r, "auto"))
             if row["kv_cache_dtype"] != "auto" and d_bf16:
@@ -706,6 +707,8 @@ def base_row(ctx, context, batch, arm) -> dict:
         "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
         "p10_ms": None, "p90_ms": None,
         **({"attend_launch": ctx["attend_launch"]} if ctx.get("attend_launch") else {}),
+        # MOIRA_REFINE of the engine: two MOIRA engines that differ only in it merge apart.
+        **({"refine": ctx["refine"]} if ctx.get("refine") and arm["arm"] == "moira" else {}),
     }  # fmt: skip
 
 
@@ -905,6 +908,7 @@ def main() -> int:
             print("WARNING:", selector.note, flush=True)
     ctx = {"model": model_name, "kv_cache_dtype": a.kv_cache_dtype,
            "attend_launch": attend_launch,
+           "refine": (record["moira_config"] or {}).get("refine"),
            "vocab": int(cfg["vocab_size"]), "num_layers":
            int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,
            "max_model_len": max_len, "breakdown": record["breakdown"]}  # fmt: skip

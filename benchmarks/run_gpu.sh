@@ -19,6 +19,8 @@ Steps (NAME[:ARG]):
   tpot[:SHAPES]        bench_tpot.py: FLASH_ATTN, then MOIRA, then --merge into tpot.json
                        (SHAPES: CONTEXTxBATCH,... e.g. tpot:130048x4,8192x32; default:
                        the script's shapes)
+  tpot-refine[:SHAPES] the same with two MOIRA engines, MOIRA_REFINE=wide and off (the
+                       refinement's cost end to end), into tpot_refine.json
   kernel-spread        bench_kernel_spread.py (CV 0, 1 and the real fractions)
   serving[:SET]        bench_serving.py, dense and moira arms (SET: A or B, default A)
   soak                 soak_serve.py, phases moira1 and dense
@@ -149,7 +151,7 @@ if [[ ${#STEPS[@]} -eq 0 ]]; then
 fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
-        gpu-tests | correctness | tpot | kernel-spread | serving | soak | smoke | e2e \
+        gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
@@ -296,6 +298,29 @@ for step in "${STEPS[@]}"; do
             if [[ -f "${dense}" && -f "${moira}" ]]; then
                 run "tpot${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" "${moira}" \
                     --out "${OUT}/tpot${SUFFIX}.json"
+            fi
+            ;;
+        tpot-refine)
+            # The refinement's end-to-end cost: one dense engine, MOIRA with and without it.
+            shapes=()
+            [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
+            parts=()
+            for mode in dense wide off; do
+                part="${OUT}/tpot_refine${SUFFIX}_${mode}.json"
+                if [[ ${mode} == dense ]]; then
+                    run "tpot_refine${SUFFIX}_dense" python benchmarks/bench_tpot.py \
+                        --model "${MODEL}" "${KV_ARGS[@]}" --backend FLASH_ATTN "${shapes[@]}" \
+                        --out "${part}"
+                else
+                    run "tpot_refine${SUFFIX}_${mode}" env MOIRA_REFINE="${mode}" python \
+                        benchmarks/bench_tpot.py --model "${MODEL}" "${KV_ARGS[@]}" \
+                        --backend MOIRA "${shapes[@]}" --out "${part}"
+                fi
+                [[ -f "${part}" ]] && parts+=("${part}")
+            done
+            if [[ ${#parts[@]} -ge 2 ]]; then
+                run "tpot_refine${SUFFIX}" python benchmarks/bench_tpot.py --merge "${parts[@]}" \
+                    --out "${OUT}/tpot_refine${SUFFIX}.json"
             fi
             ;;
         kernel-spread)

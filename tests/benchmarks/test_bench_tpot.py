@@ -191,6 +191,29 @@ def test_merge_keeps_each_attend_launch_apart(tmp_path):
     assert by_launch == {"null": pytest.approx(2.0), '{"tile_pages": 2}': pytest.approx(2.4)}
 
 
+def test_merge_keeps_each_refine_mode_apart(tmp_path):
+    """Two MOIRA engines that differ only in MOIRA_REFINE (run_gpu.sh tpot-refine): both
+    pair with the one dense row, and each speedup names its mode."""
+    rows = [_row(arm="dense", selector=None, gamma=None, reads=None, tpot_ms=12.0),
+            _row(tpot_ms=6.0, refine="wide"), _row(tpot_ms=5.0, refine="off")]  # fmt: skip
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"command": "c", "rows": rows}))
+    rec = bt.merge([str(path)], str(tmp_path / "tpot.json"))
+    assert {s["refine"]: s["speedup"] for s in rec["speedups"]} == {
+        "wide": pytest.approx(2.0),
+        "off": pytest.approx(2.4),
+    }
+
+
+def test_rows_name_the_engines_refine_mode_on_moira_arms_only():
+    ctx = {"model": "m", "refine": "wide"}
+    moira_arm = {"arm": "moira", "selector": "fixed", "gamma": None, "fixed_fraction": 0.15}
+    dense_arm = {"arm": "dense", "selector": None, "gamma": None, "fixed_fraction": None}
+    assert bt.base_row(ctx, 8192, 32, moira_arm)["refine"] == "wide"
+    assert "refine" not in bt.base_row(ctx, 8192, 32, dense_arm)
+    assert "refine" not in bt.base_row({"model": "m"}, 8192, 32, moira_arm)
+
+
 def test_attend_launch_is_checked_then_applied(monkeypatch):
     moira = pytest.importorskip("vllm.v1.attention.backends.moira")
     monkeypatch.setattr(moira, "ATTEND_LAUNCH", dict(moira.ATTEND_LAUNCH))

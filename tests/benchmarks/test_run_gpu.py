@@ -74,7 +74,13 @@ def test_real_model_steps_pass_the_check_when_the_files_exist(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "step", ["estimate-sweep", "estimate-sweep:int8:mvar,int4:mvar_top8", "refine-sweep:4x131072"]
+    "step",
+    [
+        "estimate-sweep",
+        "estimate-sweep:int8:mvar,int4:mvar_top8",
+        "refine-sweep:4x131072",
+        "tpot-refine:130048x4,8192x32",
+    ],
 )
 def test_estimate_sweep_is_a_known_step(tmp_path, step):
     result = _run("--no-install", "--prefix", str(tmp_path / "no-prefix"), step, tmp_path=tmp_path)
