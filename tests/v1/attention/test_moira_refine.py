@@ -61,6 +61,9 @@ def _run(config, batch):
         (moira.MOIRA_DEFAULT_ESTIMATOR, "int8", 3, "concentrated", 0.98),
         (moira.MOIRA_DEFAULT_ESTIMATOR, "bfloat16", 4, "outlier", 0.95),
         ("mvar", "bfloat16", 3, "concentrated", 0.95),
+        # The refinement is on by default whatever the estimator: one without stored keys
+        # on int8 summaries too.
+        ("mvar_rem", "int8", 4, "outlier", 0.98),
     ],
 )
 def test_refine_lists_and_output_equal_reference(estimator, summary_dtype, group, pattern, gamma):
