@@ -65,6 +65,10 @@ Steps (NAME[:ARG]):
                        --acc-prompts): FLASH_ATTN, then MOIRA coverage at gamma 0.99 and
                        0.98 (no fixed count), then --merge into tpot_real.json (SHAPES
                        default 31744x16,16384x32,8192x64,31744x1)
+  tpot-real-refine[:SHAPES]
+                       the same with MOIRA twice, MOIRA_REFINE=wide and off (the
+                       refinement's cost under the coverage rule), into
+                       tpot_real_refine.json (SHAPES default 31744x16,16384x32,8192x64)
   serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
@@ -154,7 +158,7 @@ for step in "${STEPS[@]}"; do
         gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
-        accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
+        accuracy-suite | tpot-real | tpot-real-refine | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -165,7 +169,7 @@ fi
 # The real-model steps cannot do anything without the model and its text: say so before
 # the install and engine starts spend device time.
 if [[ ${NEED_REAL_MODEL} == 1 && ( ! -f "${ACC_PROMPTS}" || ! -d "${ACC_MODEL}" ) ]]; then
-    echo "run_gpu.sh: accuracy-suite, tpot-real and serving-real need --acc-prompts FILE" \
+    echo "run_gpu.sh: accuracy-suite, tpot-real(-refine) and serving-real need --acc-prompts FILE" \
         "(${ACC_PROMPTS}) and --acc-model DIR (${ACC_MODEL}); see scripts/prepare_model.py" >&2
     exit 2
 fi
@@ -393,6 +397,30 @@ for step in "${STEPS[@]}"; do
             if [[ -f "${dense}" && -f "${moira}" ]]; then
                 run "tpot_real${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" \
                     "${moira}" --out "${OUT}/tpot_real${SUFFIX}.json"
+            fi
+            ;;
+        tpot-real-refine)
+            # The refinement's cost where it acts: the coverage rule on real text, one
+            # dense engine and MOIRA with MOIRA_REFINE=wide and off.
+            real_shapes=${arg:-31744x16,16384x32,8192x64}
+            parts=()
+            for mode in dense wide off; do
+                part="${OUT}/tpot_real_refine${SUFFIX}_${mode}.json"
+                if [[ ${mode} == dense ]]; then
+                    run "tpot_real_refine${SUFFIX}_dense" python benchmarks/bench_tpot.py \
+                        --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
+                        --backend FLASH_ATTN --shapes "${real_shapes}" --gen 32 --out "${part}"
+                else
+                    run "tpot_real_refine${SUFFIX}_${mode}" env MOIRA_REFINE="${mode}" python \
+                        benchmarks/bench_tpot.py --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" \
+                        "${KV_ARGS[@]}" --backend MOIRA --gammas 0.99,0.98 --no-fixed \
+                        --shapes "${real_shapes}" --gen 32 --out "${part}"
+                fi
+                [[ -f "${part}" ]] && parts+=("${part}")
+            done
+            if [[ ${#parts[@]} -ge 2 ]]; then
+                run "tpot_real_refine${SUFFIX}" python benchmarks/bench_tpot.py --merge \
+                    "${parts[@]}" --out "${OUT}/tpot_real_refine${SUFFIX}.json"
             fi
             ;;
         serving-real)
