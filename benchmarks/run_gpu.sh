@@ -250,6 +250,35 @@ if [[ ${INSTALL} == 1 ]] && ! bash build.sh --use-active-env >>"${OUT}/build.log
 fi
 log "built at ${COMMIT} (dirty: ${DIRTY})"
 
+# bench_tpot.py engines of one step: FLASH_ATTN, then MOIRA once per mode ("moira": the
+# environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE), each into OUT/NAME_MODE.json,
+# then --merge into OUT/NAME.json once the dense record and a MOIRA one exist.
+# tpot_engines NAME "MODES" "MOIRA-ONLY ARGS" BENCH_TPOT_ARGS...
+tpot_engines() {
+    local name=$1 modes=$2 mode part
+    local -a moira_args parts=() env_args
+    read -r -a moira_args <<<"$3"
+    shift 3
+    for mode in dense ${modes}; do
+        part="${OUT}/${name}_${mode}.json"
+        if [[ ${mode} == dense ]]; then
+            run "${name}_dense" python benchmarks/bench_tpot.py "$@" --backend FLASH_ATTN \
+                --out "${part}"
+        else
+            env_args=()
+            [[ ${mode} != moira ]] && env_args=(MOIRA_REFINE="${mode}")
+            run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
+                benchmarks/bench_tpot.py "$@" --backend MOIRA \
+                ${moira_args[@]+"${moira_args[@]}"} --out "${part}"
+        fi
+        [[ -f "${part}" ]] && parts+=("${part}")
+    done
+    if [[ -f "${OUT}/${name}_dense.json" && ${#parts[@]} -ge 2 ]]; then
+        run "${name}" python benchmarks/bench_tpot.py --merge "${parts[@]}" \
+            --out "${OUT}/${name}.json"
+    fi
+}
+
 for step in "${STEPS[@]}"; do
     name=${step%%:*}
     arg=""
@@ -293,39 +322,15 @@ for step in "${STEPS[@]}"; do
         tpot)
             shapes=()
             [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
-            dense="${OUT}/tpot${SUFFIX}_dense.json"
-            moira="${OUT}/tpot${SUFFIX}_moira.json"
-            run "tpot${SUFFIX}_dense" python benchmarks/bench_tpot.py --model "${MODEL}" \
-                "${KV_ARGS[@]}" --backend FLASH_ATTN "${shapes[@]}" --out "${dense}"
-            run "tpot${SUFFIX}_moira" python benchmarks/bench_tpot.py --model "${MODEL}" \
-                "${KV_ARGS[@]}" --backend MOIRA "${shapes[@]}" --out "${moira}"
-            if [[ -f "${dense}" && -f "${moira}" ]]; then
-                run "tpot${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" "${moira}" \
-                    --out "${OUT}/tpot${SUFFIX}.json"
-            fi
+            tpot_engines "tpot${SUFFIX}" moira "" --model "${MODEL}" "${KV_ARGS[@]}" \
+                "${shapes[@]}"
             ;;
         tpot-refine)
             # The refinement's end-to-end cost: one dense engine, MOIRA with and without it.
             shapes=()
             [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
-            parts=()
-            for mode in dense wide off; do
-                part="${OUT}/tpot_refine${SUFFIX}_${mode}.json"
-                if [[ ${mode} == dense ]]; then
-                    run "tpot_refine${SUFFIX}_dense" python benchmarks/bench_tpot.py \
-                        --model "${MODEL}" "${KV_ARGS[@]}" --backend FLASH_ATTN "${shapes[@]}" \
-                        --out "${part}"
-                else
-                    run "tpot_refine${SUFFIX}_${mode}" env MOIRA_REFINE="${mode}" python \
-                        benchmarks/bench_tpot.py --model "${MODEL}" "${KV_ARGS[@]}" \
-                        --backend MOIRA "${shapes[@]}" --out "${part}"
-                fi
-                [[ -f "${part}" ]] && parts+=("${part}")
-            done
-            if [[ ${#parts[@]} -ge 2 ]]; then
-                run "tpot_refine${SUFFIX}" python benchmarks/bench_tpot.py --merge "${parts[@]}" \
-                    --out "${OUT}/tpot_refine${SUFFIX}.json"
-            fi
+            tpot_engines "tpot_refine${SUFFIX}" "wide off" "" --model "${MODEL}" \
+                "${KV_ARGS[@]}" "${shapes[@]}"
             ;;
         kernel-spread)
             fractions=benchmarks/results/kernel_spread/real_fractions_smollm2.json
@@ -384,44 +389,16 @@ for step in "${STEPS[@]}"; do
                 ${engines[@]+--engines "${engines[@]}"} --out-dir "${OUT}/accuracy_suite${SUFFIX}"
             ;;
         tpot-real)
-            real_shapes=${arg:-31744x16,16384x32,8192x64,31744x1}
-            dense="${OUT}/tpot_real${SUFFIX}_dense.json"
-            moira="${OUT}/tpot_real${SUFFIX}_moira.json"
             # --gen 32: a real-weight engine per backend leaves less of a call for steps.
-            run "tpot_real${SUFFIX}_dense" python benchmarks/bench_tpot.py --model "${ACC_MODEL}" \
-                --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" --backend FLASH_ATTN \
-                --shapes "${real_shapes}" --gen 32 --out "${dense}"
-            run "tpot_real${SUFFIX}_moira" python benchmarks/bench_tpot.py --model "${ACC_MODEL}" \
-                --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" --backend MOIRA --gammas 0.99,0.98 \
-                --no-fixed --shapes "${real_shapes}" --gen 32 --out "${moira}"
-            if [[ -f "${dense}" && -f "${moira}" ]]; then
-                run "tpot_real${SUFFIX}" python benchmarks/bench_tpot.py --merge "${dense}" \
-                    "${moira}" --out "${OUT}/tpot_real${SUFFIX}.json"
-            fi
+            tpot_engines "tpot_real${SUFFIX}" moira "--gammas 0.99,0.98 --no-fixed" \
+                --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
+                --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32
             ;;
         tpot-real-refine)
-            # The refinement's cost where it acts: the coverage rule on real text, one
-            # dense engine and MOIRA with MOIRA_REFINE=wide and off.
-            real_shapes=${arg:-31744x16,16384x32,8192x64}
-            parts=()
-            for mode in dense wide off; do
-                part="${OUT}/tpot_real_refine${SUFFIX}_${mode}.json"
-                if [[ ${mode} == dense ]]; then
-                    run "tpot_real_refine${SUFFIX}_dense" python benchmarks/bench_tpot.py \
-                        --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
-                        --backend FLASH_ATTN --shapes "${real_shapes}" --gen 32 --out "${part}"
-                else
-                    run "tpot_real_refine${SUFFIX}_${mode}" env MOIRA_REFINE="${mode}" python \
-                        benchmarks/bench_tpot.py --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" \
-                        "${KV_ARGS[@]}" --backend MOIRA --gammas 0.99,0.98 --no-fixed \
-                        --shapes "${real_shapes}" --gen 32 --out "${part}"
-                fi
-                [[ -f "${part}" ]] && parts+=("${part}")
-            done
-            if [[ ${#parts[@]} -ge 2 ]]; then
-                run "tpot_real_refine${SUFFIX}" python benchmarks/bench_tpot.py --merge \
-                    "${parts[@]}" --out "${OUT}/tpot_real_refine${SUFFIX}.json"
-            fi
+            # The refinement's cost where it acts: the coverage rule on real text.
+            tpot_engines "tpot_real_refine${SUFFIX}" "wide off" "--gammas 0.99,0.98 --no-fixed" \
+                --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
+                --shapes "${arg:-31744x16,16384x32,8192x64}" --gen 32
             ;;
         serving-real)
             dataset="${OUT}/serve_text.jsonl"

@@ -516,16 +516,21 @@ SUITE_DEFAULT_CHUNK_TOKENS = 800_000
 
 
 def suite_kv_total_gib() -> float:
-    """The engines' KV caches together (GiB): SUITE_KV_CACHE_GIB, less on a smaller GPU."""
+    """The engines' KV caches together (GiB): SUITE_KV_CACHE_GIB, less on a smaller GPU.
+    The GPU's memory comes from NVML (vLLM's vendored pynvml), which opens no CUDA context
+    in this process, whose engines need that memory; no GPU or no NVML: the H200's 90."""
     try:
-        import torch
+        from vllm.third_party import pynvml
 
-        if torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(0).total_memory / 2**30
-            return min(SUITE_KV_CACHE_GIB, round(SUITE_KV_CACHE_SHARE * total, 1))
-    except ImportError:
-        pass
-    return SUITE_KV_CACHE_GIB
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # ImportError, NVMLError: no GPU to size for
+        return SUITE_KV_CACHE_GIB
+    return min(SUITE_KV_CACHE_GIB, round(SUITE_KV_CACHE_SHARE * total, 1))
 
 
 def suite_kv_sizes(args: argparse.Namespace, total_gib: float | None = None) -> tuple[float, int]:

@@ -139,3 +139,23 @@ def test_a_smaller_gpu_scales_the_caches_down():
     for cmd, _ in commands.values():
         assert float(_value(cmd, "--kv-cache-memory-gib")) == 23.5
         assert int(_value(cmd, "--chunk-tokens")) == int(800_000 * 47.0 / 60.0)
+
+
+def test_the_caches_are_sized_from_nvml_and_fall_back_to_the_h200s(monkeypatch):
+    pynvml = pytest.importorskip("vllm.third_party.pynvml")
+    info = type("Info", (), {"total": 80 * 2**30})()
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: index)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda handle: info)
+    assert R.suite_kv_total_gib() == 48.0  # 0.6 of an 80 GiB GPU
+    info.total = 141 * 2**30
+    assert R.suite_kv_total_gib() == 84.6  # an H200
+    info.total = 192 * 2**30
+    assert R.suite_kv_total_gib() == R.SUITE_KV_CACHE_GIB  # capped at 90 GiB
+
+    def no_gpu():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_gpu)
+    assert R.suite_kv_total_gib() == R.SUITE_KV_CACHE_GIB

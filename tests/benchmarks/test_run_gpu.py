@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""benchmarks/run_gpu.sh: argument checks that fail before anything is installed (CPU)."""
+"""benchmarks/run_gpu.sh: argument checks that fail before anything is installed, and the
+TPOT steps' engine wiring with a stand-in ``python`` (CPU)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,57 @@ def test_estimate_sweep_is_a_known_step(tmp_path, step):
     # A known step gets past the step check and stops at the missing install instead.
     assert result.returncode == 1
     assert "unknown step" not in result.stderr and "env.sh not found" in result.stderr
+
+
+def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
+    # A stand-in `python` on the PATH (through the prefix's env.sh) logs each command with
+    # its MOIRA_REFINE and writes the --out record, so every merge finds its parts.
+    bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
+    bin_dir.mkdir()
+    prefix.mkdir()
+    calls = tmp_path / "calls.log"
+    fake = bin_dir / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "${{MOIRA_REFINE:-env}} $*" >> {calls}\n'
+        'out=""; prev=""\n'
+        'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
+        '[[ -n $out ]] && echo "{}" > "$out"\n'
+    )
+    fake.chmod(0o755)
+    (prefix / "env.sh").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    (tmp_path / "p.json.gz").write_bytes(b"")
+    (tmp_path / "model").mkdir()
+    result = _run(
+        "--no-install", "--prefix", str(prefix),
+        "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
+        "tpot:8192x4", "tpot-refine", "tpot-real-refine:8192x4",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = calls.read_text().splitlines()
+    out = tmp_path / "out"
+
+    def engine(line: str) -> tuple[str, str, str]:
+        words = line.split()
+        backend = words[words.index("--backend") + 1] if "--backend" in words else "merge"
+        return words[0], backend, Path(words[words.index("--out") + 1]).name
+
+    assert [engine(line) for line in lines] == [
+        ("env", "FLASH_ATTN", "tpot_dense.json"),
+        ("env", "MOIRA", "tpot_moira.json"),
+        ("env", "merge", "tpot.json"),
+        ("env", "FLASH_ATTN", "tpot_refine_dense.json"),
+        ("wide", "MOIRA", "tpot_refine_wide.json"),
+        ("off", "MOIRA", "tpot_refine_off.json"),
+        ("env", "merge", "tpot_refine.json"),
+        ("env", "FLASH_ATTN", "tpot_real_refine_dense.json"),
+        ("wide", "MOIRA", "tpot_real_refine_wide.json"),
+        ("off", "MOIRA", "tpot_real_refine_off.json"),
+        ("env", "merge", "tpot_real_refine.json"),
+    ]
+    # The real-text MOIRA engines run the coverage rule only, on the given shapes and text.
+    for line in lines[8:10]:
+        assert "--gammas 0.99,0.98 --no-fixed" in line and "--shapes 8192x4" in line
+        assert f"--prompts {tmp_path / 'p.json.gz'}" in line
+    assert f"--merge {out}/tpot_refine_dense.json {out}/tpot_refine_wide.json" in lines[6]
