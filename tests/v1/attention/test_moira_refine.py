@@ -115,14 +115,18 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
         {"pipeline_stages": 2, "num_warps": 8},
         {"pipeline_stages": 3, "tile_pages": 16},
         {"pipeline_stages": 0, "tile_pages": 32},
+        # One program per list takes all three 16-page tiles of the long row.
+        {"pipeline_stages": 3, "tile_pages": 16, "step_programs": 1},
+        # Two per list (9 programs over 8 lists): tiles 0 and 2, and tile 1.
+        {"pipeline_stages": 0, "tile_pages": 16, "step_programs": 9},
     ],
 )
 def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeypatch):
     """REFINE_LAUNCH["pipeline_stages"] > 0 (the refined pages compacted, then a
     software-pipelined loop over them; 3 is the default) and smaller tiles
-    (``tile_pages``: a list's pages over more programs) write the log-masses and lists
-    of the serial loop over 64-page tiles, bit for bit; values outside the allowed ones
-    are refused."""
+    (``tile_pages``: a list's pages over more programs), and programs that take several
+    tiles each (``step_programs``), write the log-masses and lists of the serial loop
+    over 64-page tiles, bit for bit; values outside the allowed ones are refused."""
     batch = make_decode_batch(TILED_SEQ_LENS, 2, 3, 64, "token_major",
                               moira.MOIRA_DEFAULT_ESTIMATOR, "concentrated", seed=3,
                               query_scale=3.0, summary_dtype="int8")  # fmt: skip
@@ -154,6 +158,27 @@ def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeyp
     monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 8)
     with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['tile_pages'\] must be one of"):
         moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+    monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 16)
+    monkeypatch.setitem(moira.REFINE_LAUNCH, "step_programs", 0)
+    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['step_programs'\] must be a positive"):
+        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+
+
+@pytest.mark.parametrize(
+    ("rows", "kv_heads", "max_pages", "expected"),
+    [
+        (4, 8, 2035, 128),  # 4x131072: one program per 16-page tile
+        (32, 8, 2035, 16),  # 32 rows under a 130k max_model_len: 4096 programs, not 32768
+        (64, 2, 512, 32),  # every tile of a 32k row
+        (256, 8, 2035, 2),
+        (1024, 8, 2035, 1),  # at least one per list
+        (1, 1, 10, 1),  # one tile
+    ],
+)
+def test_refine_programs_per_list_caps_the_steps_programs(rows, kv_heads, max_pages, expected):
+    """The refine grid's third extent: about REFINE_LAUNCH["step_programs"] (4096)
+    programs a step, at most one per tile of max_pages, at least one per list."""
+    assert moira.refine_programs_per_list(rows, kv_heads, max_pages, 16) == expected
 
 
 @pytest.mark.parametrize("change", [dict(gamma=1.0), dict(selector="fixed", fixed_pages=3)])

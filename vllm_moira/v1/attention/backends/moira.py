@@ -2063,8 +2063,8 @@ def select_pages(
 # ==========================================================================
 # Refine (not in the paper): Estimate's second stage, refine="wide"
 # ==========================================================================
-# REFINE_LAUNCH["tile_pages"]: pages per refine program (the candidate test is
-# one [G, pages] tile; tl.dot needs at least 16). A program refines its tile's
+# REFINE_LAUNCH["tile_pages"]: pages per refine tile (the candidate test is
+# one [G, pages] tile; tl.dot needs at least 16). A program refines a tile's
 # pages one after another, so smaller tiles spread a list's refined pages over
 # more programs: 16-page tiles take Estimate + Select with refine="wide" from
 # 186 to 102 us at 32x8192 (21% of pages refined) and from 625 to 508 us at
@@ -2079,8 +2079,38 @@ def select_pages(
 # Select with refine="wide" on the H200 takes 182 us against the serial loop's
 # 266 at 32x8192 with 21% of pages refined (the refined pages' key loads
 # overlap), and 598 against 590 us at 4x131072 with every page refined.
-REFINE_LAUNCH: dict[str, Any] = {"pipeline_stages": 3, "num_warps": 4, "tile_pages": 16}
+# REFINE_LAUNCH["step_programs"]: about how many refine programs a step
+# launches (refine_programs_per_list). The grid depends only on the step's
+# rows and max_model_len, not on the rows' lengths, so one program per tile
+# launches a program for every tile of max_model_len: 32768 programs at
+# 32x8192 under a 130k max_model_len, most of which find their row shorter
+# and return. With one program per tile, refine="wide" cost a fixed-count
+# decode step (nothing refined) 24 us per layer at 32x8192 on the H200, and
+# 6 us at 4x131072 (4096 programs). Capped, a program takes every P-th tile
+# of its list; at batch 4 x 8 KV heads, 4096 programs are still one per tile
+# of a 131k row.
+REFINE_LAUNCH: dict[str, Any] = {
+    "pipeline_stages": 3,
+    "num_warps": 4,
+    "tile_pages": 16,
+    "step_programs": 4096,
+}
 _REFINE_TILE_PAGES_ALLOWED = (16, 32, 64, 128)
+
+
+def refine_programs_per_list(
+    num_rows: int, num_kv_heads: int, max_pages: int, tile_pages: int
+) -> int:
+    """Refine programs per (row, KV head) list: enough that the step launches about
+    REFINE_LAUNCH["step_programs"] programs, at most one per tile of max_pages."""
+    step_programs = REFINE_LAUNCH["step_programs"]
+    if not isinstance(step_programs, int) or step_programs < 1:
+        raise ValueError(
+            "Moira: REFINE_LAUNCH['step_programs'] must be a positive integer, "
+            f"got {step_programs!r}"
+        )
+    lists = max(num_rows * num_kv_heads, 1)
+    return max(1, min(triton.cdiv(max_pages, tile_pages), triton.cdiv(step_programs, lists)))
 
 
 def _select_stats_width(group_size: int) -> int:
@@ -2131,22 +2161,26 @@ def kernel_moira_refine(
     USE_GDC: tl.constexpr = False,
     EARLY_TRIGGER: tl.constexpr = False,
 ):
-    # Programs (row, KV head, tile of TILE_PAGES pages). A middle page is
-    # refined when (1) its pibar, recomputed from the stage-1 log-masses and
-    # the first Select's softmax statistics, is at least tau e^-below (tau:
-    # the smallest share that Select kept), and (2) its group-mean spread
-    # x^2 . sigma^2 (the summary's variance slot) is at least wide_min_v:
-    # the pages whose spread term can over-estimate them past a needle page
-    # (docs/estimator.md). Its log-mass is then replaced by the exact one,
-    # from its 64 keys; the second Select runs on the result. Each program
-    # reads and writes only its own pages' log-masses.
+    # Programs (row, KV head, p): program p of a list takes its tiles of
+    # TILE_PAGES pages p, p + P, p + 2P, ... (P = the grid's third extent,
+    # refine_programs_per_list). A middle page is refined when (1) its pibar,
+    # recomputed from the stage-1 log-masses and the first Select's softmax
+    # statistics, is at least tau e^-below (tau: the smallest share that
+    # Select kept), and (2) its group-mean spread x^2 . sigma^2 (the
+    # summary's variance slot) is at least wide_min_v: the pages whose spread
+    # term can over-estimate them past a needle page (docs/estimator.md). Its
+    # log-mass is then replaced by the exact one, from its 64 keys; the second
+    # Select runs on the result. Each page belongs to one program, which alone
+    # reads and writes its log-mass.
     row = tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    first_tile = tl.program_id(2)
+    tile_step = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + row)
     _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    if tile * TILE_PAGES >= num_pages:
+    num_tiles = tl.cdiv(num_pages, TILE_PAGES)
+    if first_tile >= num_tiles:
         return
     stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
     tau = tl.load(stats)
@@ -2155,39 +2189,10 @@ def kernel_moira_refine(
     offs_s = tl.arange(0, STATS_ROWS)
     peak = tl.load(stats + 1 + offs_s)
     inv_denom = tl.load(stats + 1 + STATS_ROWS + offs_s)
-    offs_t = tl.arange(0, TILE_PAGES)
-    pages = tile * TILE_PAGES + offs_t
-    middle = (pages > 0) & (pages < num_pages - 1)
     lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
-    x = tl.load(
-        lm + offs_s[:, None] * stride_lm_group + pages[None, :],
-        mask=(offs_s < GROUP_SIZE)[:, None] & middle[None, :],
-        other=float("-inf"),
-    )
-    # The same expression as _select_row's pass 2: the same pibar.
-    pib = tl.sum(tl.exp(x - peak[:, None]) * inv_denom[:, None], axis=0)
-    candidate = middle & (pib >= tau * below_factor)
-    if tl.sum(candidate.to(tl.int32), axis=0) == 0:
-        return
     bt_row = block_table_ptr + row * stride_bt_row
+    offs_t = tl.arange(0, TILE_PAGES)
     offs_d = tl.arange(0, HEAD_SIZE)
-    blocks = tl.load(bt_row + pages, mask=candidate, other=0).to(tl.int64)
-    var = tl.load(
-        summaries_ptr
-        + blocks[:, None] * stride_sum_block
-        + head * stride_sum_head
-        + HEAD_SIZE
-        + offs_d[None, :],
-        mask=candidate[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    if INT8:
-        var_scale = tl.load(
-            scales_ptr + blocks * stride_scale_block + head * stride_scale_head + 1,
-            mask=candidate,
-            other=0.0,
-        )
-        var = var * var_scale[:, None]
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
     q = tl.load(
@@ -2199,33 +2204,62 @@ def kernel_moira_refine(
         other=0.0,
     )
     xq = q.to(tl.float32) * scale
-    # fp32 products (ieee: no tf32 rounding), as the reference's v.
-    v = tl.dot(var, tl.trans(xq * xq), input_precision="ieee")  # [TILE_PAGES, GROUP_ROWS]
-    v_mean = tl.sum(tl.where(mask_g[None, :], v, 0.0), axis=1) / GROUP_SIZE
-    refine = candidate & (v_mean >= wide_min_v)
     k_scale = 1.0
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
-    if PIPELINE_STAGES == 0:
-        for i in range(TILE_PAGES):
-            if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
-                _refine_page(
-                    tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
-                    offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
-                    stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-                )  # fmt: skip
-    else:
-        # The refined pages in page order (their rank among the tile's refined
-        # pages), then one loop iteration per refined page, no branch.
-        rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
-        num_refined = tl.sum(refine.to(tl.int32), axis=0)
-        for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
-            i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
-            _refine_page(
-                tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
-                offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
-                stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-            )  # fmt: skip
+    for tile in range(first_tile, num_tiles, tile_step):
+        pages = tile * TILE_PAGES + offs_t
+        middle = (pages > 0) & (pages < num_pages - 1)
+        x = tl.load(
+            lm + offs_s[:, None] * stride_lm_group + pages[None, :],
+            mask=(offs_s < GROUP_SIZE)[:, None] & middle[None, :],
+            other=float("-inf"),
+        )
+        # The same expression as _select_row's pass 2: the same pibar.
+        pib = tl.sum(tl.exp(x - peak[:, None]) * inv_denom[:, None], axis=0)
+        candidate = middle & (pib >= tau * below_factor)
+        if tl.sum(candidate.to(tl.int32), axis=0) > 0:
+            blocks = tl.load(bt_row + pages, mask=candidate, other=0).to(tl.int64)
+            var = tl.load(
+                summaries_ptr
+                + blocks[:, None] * stride_sum_block
+                + head * stride_sum_head
+                + HEAD_SIZE
+                + offs_d[None, :],
+                mask=candidate[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            if INT8:
+                var_scale = tl.load(
+                    scales_ptr + blocks * stride_scale_block + head * stride_scale_head + 1,
+                    mask=candidate,
+                    other=0.0,
+                )
+                var = var * var_scale[:, None]
+            # fp32 products (ieee: no tf32 rounding), as the reference's v.
+            v = tl.dot(var, tl.trans(xq * xq), input_precision="ieee")  # [TILE_PAGES, GROUP_ROWS]
+            v_mean = tl.sum(tl.where(mask_g[None, :], v, 0.0), axis=1) / GROUP_SIZE
+            refine = candidate & (v_mean >= wide_min_v)
+            if PIPELINE_STAGES == 0:
+                for i in range(TILE_PAGES):
+                    if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
+                        _refine_page(
+                            tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head,
+                            k_scale, offs_g, mask_g, stride_kv_block, stride_kv_head,
+                            stride_kv_token, stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
+                        )  # fmt: skip
+            else:
+                # The refined pages in page order (their rank among the tile's
+                # refined pages), then one loop iteration per refined page, no branch.
+                rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
+                num_refined = tl.sum(refine.to(tl.int32), axis=0)
+                for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
+                    i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
+                    _refine_page(
+                        tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head,
+                        k_scale, offs_g, mask_g, stride_kv_block, stride_kv_head,
+                        stride_kv_token, stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
+                    )  # fmt: skip
 
 
 @triton.jit
@@ -2280,7 +2314,11 @@ def refine_page_logmass(
             f"Moira: REFINE_LAUNCH['tile_pages'] must be one of {_REFINE_TILE_PAGES_ALLOWED}, "
             f"got {tile_pages!r}"
         )
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_pages, tile_pages))
+    grid = (
+        num_rows,
+        num_kv_heads,
+        refine_programs_per_list(num_rows, num_kv_heads, max_pages, tile_pages),
+    )
     kernel_moira_refine[grid](
         query,
         kv_cache,
