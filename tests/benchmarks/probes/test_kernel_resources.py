@@ -240,15 +240,20 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
 
 @pytest.mark.slow
 def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
-    """REFINE_LAUNCH["pipeline_stages"] > 0 (the default, 3): the refine loop's keys
-    arrive by asynchronous copies (LDGSTS), where the serial loop (0) waits on plain
-    global loads (LDG) for each page in turn."""
+    """REFINE_LAUNCH["pipeline_stages"] > 0 (the default, 3): the refine page loop's
+    keys arrive by asynchronous copies (LDGSTS), where the serial loop (0) waits on
+    plain global loads (LDG) for each page in turn."""
 
     def refine_loop_memory(*args: str) -> dict:
         row = _kernel_row(tmp_path, "kernel_moira_refine", "--refine", "wide", *args)
         assert row["spill_bytes"] == 0, row
-        (memory,) = row["sass_loop_memory_ops"]
-        return memory
+        # Two loops: the program's tiles, and inside it the page loop, the shorter one.
+        tile_loop, page_loop = sorted(
+            zip(row["sass_loop_instructions"], row["sass_loop_memory_ops"]),
+            key=lambda loop: loop[0],
+            reverse=True,
+        )
+        return page_loop[1]
 
     serial = refine_loop_memory("--refine-launch", '{"pipeline_stages": 0}')
     pipelined = refine_loop_memory("--refine-launch", '{"pipeline_stages": 3}')
