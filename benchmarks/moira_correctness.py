@@ -694,6 +694,8 @@ REFINE_SWEEP = [
     {"pipeline_stages": 2},
     {"num_warps": 2},
     {"num_warps": 8},
+    {"step_programs": 1024},
+    {"step_programs": 16384},
 ]
 #: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
 ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")

@@ -353,12 +353,15 @@ def test_refine_log_masses_and_lists_equal_reference(wide_case):
         {"pipeline_stages": 2, "num_warps": 8},
         {"pipeline_stages": 3, "tile_pages": 16},
         {"pipeline_stages": 3, "tile_pages": 32},
+        # One program per (row, KV head) list (32 lists), walking all 32 of its tiles.
+        {"pipeline_stages": 3, "tile_pages": 16, "step_programs": 32},
     ],
 )
 def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monkeypatch):
     # The pipelined refine loop (REFINE_LAUNCH's default, 3 stages, and the
-    # moira_correctness.REFINE_SWEEP candidates, smaller tiles among them): the
-    # same log-masses and lists as the serial loop over 64-page tiles, bit for bit.
+    # moira_correctness.REFINE_SWEEP candidates, smaller tiles among them, and
+    # programs that take several tiles): the same log-masses and lists as the
+    # serial loop over 64-page tiles, bit for bit.
     import torch
     from vllm.v1.attention.backends import moira
 
