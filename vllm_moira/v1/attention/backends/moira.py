@@ -2084,11 +2084,9 @@ def select_pages(
 # rows and max_model_len, not on the rows' lengths, so one program per tile
 # launches a program for every tile of max_model_len: 32768 programs at
 # 32x8192 under a 130k max_model_len, most of which find their row shorter
-# and return. With one program per tile, refine="wide" cost a fixed-count
-# decode step (nothing refined) 24 us per layer at 32x8192 on the H200, and
-# 6 us at 4x131072 (4096 programs). Capped, a program takes every P-th tile
-# of its list; at batch 4 x 8 KV heads, 4096 programs are still one per tile
-# of a 131k row.
+# and return, a launch paid per layer and step even where nothing is refined
+# (fixed count). Capped, a program takes every P-th tile of its list; at
+# batch 4 x 8 KV heads, 4096 programs are still one per tile of a 131k row.
 REFINE_LAUNCH: dict[str, Any] = {
     "pipeline_stages": 3,
     "num_warps": 4,
