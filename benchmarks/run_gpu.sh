@@ -19,8 +19,10 @@ Steps (NAME[:ARG]):
   tpot[:SHAPES]        bench_tpot.py: FLASH_ATTN, then MOIRA, then --merge into tpot.json
                        (SHAPES: CONTEXTxBATCH,... e.g. tpot:130048x4,8192x32; default:
                        the script's shapes)
-  tpot-refine[:SHAPES] the same with two MOIRA engines, MOIRA_REFINE=wide and off (the
-                       refinement's cost end to end), into tpot_refine.json
+  tpot-refine[:SHAPES] FLASH_ATTN, then MOIRA with MOIRA_REFINE=wide (the default) and off,
+                       the fixed-count arms only (the speed rows' reads; no coverage arm,
+                       which reads every page on dummy weights), --gen 32, into
+                       tpot_refine.json (SHAPES default 130048x4,8192x32)
   kernel-spread        bench_kernel_spread.py (CV 0, 1 and the real fractions)
   serving[:SET]        bench_serving.py, dense and moira arms (SET: A or B, default A)
   soak                 soak_serve.py, phases moira1 and dense
@@ -326,11 +328,10 @@ for step in "${STEPS[@]}"; do
                 "${shapes[@]}"
             ;;
         tpot-refine)
-            # The refinement's end-to-end cost: one dense engine, MOIRA with and without it.
-            shapes=()
-            [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
-            tpot_engines "tpot_refine${SUFFIX}" "wide off" "" --model "${MODEL}" \
-                "${KV_ARGS[@]}" "${shapes[@]}"
+            # The refinement's end-to-end cost at the speed rows' fixed reads: one dense
+            # engine, MOIRA with and without it ("--gammas=": no coverage arm).
+            tpot_engines "tpot_refine${SUFFIX}" "wide off" "--gammas=" --model "${MODEL}" \
+                "${KV_ARGS[@]}" --shapes "${arg:-130048x4,8192x32}" --gen 32
             ;;
         kernel-spread)
             fractions=benchmarks/results/kernel_spread/real_fractions_smollm2.json

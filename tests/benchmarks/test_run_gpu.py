@@ -139,6 +139,10 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
         ("off", "MOIRA", "tpot_real_refine_off.json"),
         ("env", "merge", "tpot_real_refine.json"),
     ]
+    # tpot-refine: the speed rows' shapes, fixed-count arms only (no coverage arm).
+    for line in lines[3:6]:
+        assert "--shapes 130048x4,8192x32" in line and "--gen 32" in line
+    assert all(("--gammas=" in line) == (i in (4, 5)) for i, line in enumerate(lines[3:7], 3))
     # The real-text MOIRA engines run the coverage rule only, on the given shapes and text.
     for line in lines[8:10]:
         assert "--gammas 0.99,0.98 --no-fixed" in line and "--shapes 8192x4" in line
