@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -45,11 +46,16 @@ def _assert_lists(ws, lists):
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
-def _run(config, batch):
+def _run(config, batch, built_with=None):
+    """Decode ``batch`` under ``config`` on a workspace built with ``built_with``
+    (default ``config``), switched to ``config`` by set_selector as a server's
+    captured graphs would be."""
     kv, summaries, table, seq, query = batch
     group = query.shape[1] // kv.shape[1]
     ws = moira.MoiraWorkspace(len(SEQ_LENS), kv.shape[1] * group, kv.shape[1], 64,
-                              table.shape[1], config, "cpu")  # fmt: skip
+                              table.shape[1], built_with or config, "cpu")  # fmt: skip
+    if built_with is not None:
+        ws.set_selector(config)
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
     return ws, out
@@ -187,7 +193,10 @@ def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change):
                               "concentrated", seed=3, query_scale=3.0)  # fmt: skip
     base = moira.MoiraConfig.paper(**change, **SMALL_SPLITS)
     ws_off, out_off = _run(base, batch)
-    ws_on, out_on = _run(moira.MoiraConfig.paper(**change, refine="wide", **SMALL_SPLITS), batch)
+    # Built for the coverage rule, then switched: the launches stay (a server's graphs)
+    # and must refine nothing. A workspace built for a fixed count launches none.
+    wide = moira.MoiraConfig.paper(refine="wide", **SMALL_SPLITS)
+    ws_on, out_on = _run(dataclasses.replace(wide, **change), batch, built_with=wide)
     assert torch.equal(ws_on.page_count, ws_off.page_count)
     for row in range(len(SEQ_LENS)):
         for h in range(2):
@@ -226,6 +235,16 @@ def test_refine_config_and_constants():
     assert off.select_stats is None and ws.nbytes() == off.nbytes() + 2 * 2 * 9 * 4
     with pytest.raises(ValueError, match="set_selector cannot change"):
         off.set_selector(moira.MoiraConfig(refine="wide"))
+    # A fixed count refines nothing: a workspace built for one allocates and launches
+    # no refinement, and cannot be switched to the coverage rule that would need it.
+    fixed = moira.MoiraConfig(selector="fixed", fixed_pages=4)
+    assert fixed.refine == "wide" and not fixed.refines and moira.MoiraConfig().refines
+    fixed_ws = moira.MoiraWorkspace(2, 6, 2, 64, 8, fixed, "meta")
+    assert fixed_ws.select_stats is None and fixed_ws.nbytes() == off.nbytes()
+    with pytest.raises(ValueError, match="cannot switch to selector='coverage'"):
+        fixed_ws.set_selector(moira.MoiraConfig())
+    fixed_ws.set_selector(dataclasses.replace(fixed, fixed_pages=6))
+    ws.set_selector(fixed)  # coverage -> fixed: the captured launches refine nothing
 
 
 def test_wide_threshold_is_relative_to_rem_critical_variance():

@@ -343,6 +343,14 @@ class MoiraConfig:
             )
 
     @property
+    def refines(self) -> bool:
+        """Whether Estimate's second stage runs: refine="wide" under the coverage
+        rule. A fixed count has no threshold to refine around (the reference's
+        rule), so a workspace built for one launches neither the first Select nor
+        the refine kernel."""
+        return self.refine == "wide" and self.selector == "coverage"
+
+    @property
     def summary_slots(self) -> int:
         """Slots of the page summary this config's estimator reads."""
         return summary_slots(self.estimator)
@@ -3054,10 +3062,11 @@ class MoiraWorkspace:
         #: every step (set_row_gamma), outside the captured graph, and Select
         #: reads it on the device, so FULL graphs replay with each step's values.
         self.row_gamma = torch.zeros(max_num_seqs, dtype=f32, device=device)
-        #: refine="wide": the first Select's threshold and softmax statistics per
-        #: list (select_pages' select_stats), read by kernel_moira_refine.
+        #: refine="wide" under the coverage rule (MoiraConfig.refines): the first
+        #: Select's threshold and softmax statistics per list (select_pages'
+        #: select_stats), read by kernel_moira_refine. None: neither launches.
         self.select_stats: torch.Tensor | None = None
-        if config.refine == "wide":
+        if config.refines:
             self.select_stats = torch.empty(
                 max_num_seqs, num_kv_heads, _select_stats_width(group_size), dtype=f32,
                 device=device,
@@ -3084,6 +3093,15 @@ class MoiraWorkspace:
         )
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed_fields):
             raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
+        # A workspace built for a fixed count captured no refine launches; the
+        # coverage rule without them would select on the unrefined estimate. The
+        # other way round (coverage -> fixed) the launches stay and refine nothing.
+        if config.refines and self.select_stats is None:
+            raise ValueError(
+                "Moira: set_selector cannot switch to selector='coverage' with "
+                "refine='wide' on a workspace built with selector='fixed' (no refine "
+                "launches were captured); build it with the coverage selector"
+            )
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
         self.config = config
 
