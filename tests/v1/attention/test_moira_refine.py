@@ -205,6 +205,11 @@ def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change):
     assert torch.equal(out_on, out_off)
     # The first Select marks every list as having nothing to refine.
     assert bool((ws_on.select_stats[: len(SEQ_LENS), :, 0] == float("inf")).all())
+    if change.get("selector") == "fixed":
+        # Built for the fixed count, the default runs refine="off"'s kernels exactly.
+        ws_fixed, out_fixed = _run(dataclasses.replace(wide, **change), batch)
+        assert ws_fixed.select_stats is None and torch.equal(out_fixed, out_off)
+        assert torch.equal(ws_fixed.page_count, ws_off.page_count)
 
 
 def test_refine_counts_each_list_once():
