@@ -188,7 +188,7 @@ def test_refine_programs_per_list_caps_the_steps_programs(rows, kv_heads, max_pa
 
 
 @pytest.mark.parametrize("change", [dict(gamma=1.0), dict(selector="fixed", fixed_pages=3)])
-def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change):
+def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change, monkeypatch):
     batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
                               "concentrated", seed=3, query_scale=3.0)  # fmt: skip
     base = moira.MoiraConfig.paper(**change, **SMALL_SPLITS)
@@ -206,8 +206,16 @@ def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change):
     # The first Select marks every list as having nothing to refine.
     assert bool((ws_on.select_stats[: len(SEQ_LENS), :, 0] == float("inf")).all())
     if change.get("selector") == "fixed":
-        # Built for the fixed count, the default runs refine="off"'s kernels exactly.
+        # Built for the fixed count, the default runs refine="off"'s kernels exactly:
+        # one Select, no refine launch.
+        calls = []
+        for name in ("select_pages", "refine_page_logmass"):
+            original = getattr(moira, name)
+            monkeypatch.setattr(
+                moira, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k)
+            )
         ws_fixed, out_fixed = _run(dataclasses.replace(wide, **change), batch)
+        assert calls == ["select_pages"]
         assert ws_fixed.select_stats is None and torch.equal(out_fixed, out_off)
         assert torch.equal(ws_fixed.page_count, ws_off.page_count)
 
