@@ -70,6 +70,21 @@ def test_moira_rejects_bad_gamma_naming_the_key(value, message):
     assert info.value.parameter == KEY
 
 
+def test_moira_rejects_gamma_on_a_fixed_count_server(monkeypatch):
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.attention.backends.moira import MoiraBackend
+
+    monkeypatch.setenv("MOIRA_SELECTOR", "fixed")
+    monkeypatch.setenv("MOIRA_FIXED_FRACTION", "0.3")
+    with pytest.raises(VLLMValidationError, match="coverage selector only") as info:
+        MoiraBackend.validate_request_extras({KEY: 0.9})
+    assert info.value.parameter == KEY
+    MoiraBackend.validate_request_extras({})  # no gamma: nothing to ignore
+    monkeypatch.setenv("MOIRA_SELECTOR", "coverage")
+    monkeypatch.delenv("MOIRA_FIXED_FRACTION")
+    MoiraBackend.validate_request_extras({KEY: 0.9})
+
+
 def test_validation_error_is_an_http_400_naming_the_parameter():
     from http import HTTPStatus
 

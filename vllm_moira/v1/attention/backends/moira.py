@@ -3729,6 +3729,16 @@ class MoiraBackend(FlashAttentionBackend):
                 parameter=MOIRA_GAMMA_EXTRA_ARG,
                 value=gamma,
             )
+        # A fixed page count has no gamma: the request's would be ignored, so
+        # say so instead (the frontend shares the server's MOIRA_* environment).
+        if gamma is not None and moira_config_from_env().selector != "coverage":
+            raise VLLMValidationError(
+                f"{MOIRA_GAMMA_EXTRA_ARG} applies to the coverage selector only; this "
+                "server runs MOIRA_SELECTOR='fixed' (a fixed page count per row and KV "
+                f"head): omit {MOIRA_GAMMA_EXTRA_ARG}",
+                parameter=MOIRA_GAMMA_EXTRA_ARG,
+                value=gamma,
+            )
 
     # Kernel pages are exactly 64 tokens (one summary per page). A manager
     # block that is a multiple of 64 is split into 64-token kernel blocks.
