@@ -266,6 +266,23 @@ def validate_tpot_row(row: dict) -> None:
         raise ValueError(f"row {row!r}: reads must be in (0, 1] or null")
 
 
+#: MoiraConfig fields fixed per engine that every MOIRA row names.
+ENGINE_FIELDS = ("estimator", "summary_dtype", "refine")
+
+
+def engine_fields(moira_config: dict | None) -> dict:
+    """The row fields of one MOIRA engine's configuration: ENGINE_FIELDS, whether every
+    field but γ is the backend's default (``is_default``), and that default γ."""
+    if not moira_config:
+        return {}
+    from vllm.v1.attention.backends import moira
+
+    default = dataclasses.asdict(moira.MoiraConfig())
+    same = all(moira_config.get(k) == v for k, v in default.items() if k != "gamma")
+    return {**{k: moira_config.get(k) for k in ENGINE_FIELDS}, "is_default": same,
+            "default_gamma": default["gamma"]}  # fmt: skip
+
+
 def _moira_config_record() -> dict | None:
     """The backend's MoiraConfig as the engine will build it from MOIRA_*
     (defaults included, e.g. the Attend schedule), for the record."""
@@ -325,7 +342,7 @@ def speedup_rows(rows: list[dict]) -> list[dict]:
                 "dense_ms": d["tpot_ms"], "moira_ms": r["tpot_ms"],
                 "speedup": d["tpot_ms"] / r["tpot_ms"],
                 **({"attend_launch": r["attend_launch"]} if r.get("attend_launch") else {}),
-                **({"refine": r["refine"]} if r.get("refine") else {}),
+                **{k: r[k] for k in (*ENGINE_FIELDS, "config") if r.get(k)},
             }  # fmt: skip
             d_bf16 = dense.get(key(r, "auto"))
             if row["kv_cache_dtype"] != "auto" and d_bf16:
@@ -707,8 +724,12 @@ def base_row(ctx, context, batch, arm) -> dict:
         "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
         "p10_ms": None, "p90_ms": None,
         **({"attend_launch": ctx["attend_launch"]} if ctx.get("attend_launch") else {}),
-        # MOIRA_REFINE of the engine: two MOIRA engines that differ only in it merge apart.
-        **({"refine": ctx["refine"]} if ctx.get("refine") and arm["arm"] == "moira" else {}),
+        # The engine's estimator, summary dtype and refinement: MOIRA engines that differ
+        # only in them merge apart, and the rows of the shipped defaults say "default".
+        **({k: ctx[k] for k in ENGINE_FIELDS if ctx.get(k)} if arm["arm"] == "moira" else {}),
+        **({"config": "default"} if arm["arm"] == "moira" and ctx.get("is_default")
+           and arm["selector"] == "coverage" and arm["gamma"] == ctx.get("default_gamma")
+           else {}),
     }  # fmt: skip
 
 
@@ -908,7 +929,7 @@ def main() -> int:
             print("WARNING:", selector.note, flush=True)
     ctx = {"model": model_name, "kv_cache_dtype": a.kv_cache_dtype,
            "attend_launch": attend_launch,
-           "refine": (record["moira_config"] or {}).get("refine"),
+           **engine_fields(record["moira_config"]),
            "vocab": int(cfg["vocab_size"]), "num_layers":
            int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,
            "max_model_len": max_len, "breakdown": record["breakdown"]}  # fmt: skip

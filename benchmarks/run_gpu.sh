@@ -64,13 +64,11 @@ Steps (NAME[:ARG]):
                        the first three); needs --acc-prompts
                        and --acc-model
   tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
-                       --acc-prompts): FLASH_ATTN, then MOIRA coverage at gamma 0.99 and
-                       0.98 (no fixed count), then --merge into tpot_real.json (SHAPES
+                       --acc-prompts), coverage rule at gamma 0.98: FLASH_ATTN, then MOIRA
+                       as configured (the default when no MOIRA_* is set), with
+                       MOIRA_REFINE=wide (the accuracy mode) and with MOIRA_ESTIMATOR=mvar
+                       (the paper's estimator), then --merge into tpot_real.json (SHAPES
                        default 31744x16,16384x32,8192x64,31744x1)
-  tpot-real-refine[:SHAPES]
-                       the same with MOIRA twice, MOIRA_REFINE=wide and off (the
-                       refinement's cost under the coverage rule), into
-                       tpot_real_refine.json (SHAPES default 31744x16,16384x32,8192x64)
   serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
@@ -160,7 +158,7 @@ for step in "${STEPS[@]}"; do
         gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
-        accuracy-suite | tpot-real | tpot-real-refine | serving-real) NEED_REAL_MODEL=1 ;;
+        accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -171,7 +169,7 @@ fi
 # The real-model steps cannot do anything without the model and its text: say so before
 # the install and engine starts spend device time.
 if [[ ${NEED_REAL_MODEL} == 1 && ( ! -f "${ACC_PROMPTS}" || ! -d "${ACC_MODEL}" ) ]]; then
-    echo "run_gpu.sh: accuracy-suite, tpot-real(-refine) and serving-real need --acc-prompts FILE" \
+    echo "run_gpu.sh: accuracy-suite, tpot-real and serving-real need --acc-prompts FILE" \
         "(${ACC_PROMPTS}) and --acc-model DIR (${ACC_MODEL}); see scripts/prepare_model.py" >&2
     exit 2
 fi
@@ -253,7 +251,8 @@ fi
 log "built at ${COMMIT} (dirty: ${DIRTY})"
 
 # bench_tpot.py engines of one step: FLASH_ATTN, then MOIRA once per mode ("moira": the
-# environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE), each into OUT/NAME_MODE.json,
+# environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE; "mvar": MOIRA_ESTIMATOR=mvar),
+# each into OUT/NAME_MODE.json,
 # then --merge into OUT/NAME.json once the dense record and a MOIRA one exist.
 # tpot_engines NAME "MODES" "MOIRA-ONLY ARGS" BENCH_TPOT_ARGS...
 tpot_engines() {
@@ -267,8 +266,11 @@ tpot_engines() {
             run "${name}_dense" python benchmarks/bench_tpot.py "$@" --backend FLASH_ATTN \
                 --out "${part}"
         else
-            env_args=()
-            [[ ${mode} != moira ]] && env_args=(MOIRA_REFINE="${mode}")
+            case ${mode} in
+                moira) env_args=() ;;
+                mvar) env_args=(MOIRA_ESTIMATOR=mvar) ;;
+                *) env_args=(MOIRA_REFINE="${mode}") ;;
+            esac
             run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
                 benchmarks/bench_tpot.py "$@" --backend MOIRA \
                 ${moira_args[@]+"${moira_args[@]}"} --out "${part}"
@@ -390,16 +392,10 @@ for step in "${STEPS[@]}"; do
                 ${engines[@]+--engines "${engines[@]}"} --out-dir "${OUT}/accuracy_suite${SUFFIX}"
             ;;
         tpot-real)
-            # --gen 32: a real-weight engine per backend leaves less of a call for steps.
-            tpot_engines "tpot_real${SUFFIX}" moira "--gammas 0.99,0.98 --no-fixed" \
+            # --gen 32: a real-weight engine per arm leaves less of a call for steps.
+            tpot_engines "tpot_real${SUFFIX}" "moira wide mvar" "--gammas 0.98 --no-fixed" \
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32
-            ;;
-        tpot-real-refine)
-            # The refinement's cost where it acts: the coverage rule on real text.
-            tpot_engines "tpot_real_refine${SUFFIX}" "wide off" "--gammas 0.99,0.98 --no-fixed" \
-                --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
-                --shapes "${arg:-31744x16,16384x32,8192x64}" --gen 32
             ;;
         serving-real)
             dataset="${OUT}/serve_text.jsonl"

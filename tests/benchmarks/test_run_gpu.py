@@ -48,7 +48,7 @@ def test_help_names_the_kv_cache_option_and_the_steps():
 
 
 @pytest.mark.parametrize(
-    "step", ["accuracy-suite", "tpot-real:8192x4", "tpot-real-refine:8192x4", "serving-real:1"]
+    "step", ["accuracy-suite", "tpot-real:8192x4", "serving-real:1"]
 )
 def test_real_model_steps_need_the_model_and_text_before_installing(tmp_path, step):
     result = _run(
@@ -102,7 +102,7 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
     fake = bin_dir / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
-        f'echo "${{MOIRA_REFINE:-env}} $*" >> {calls}\n'
+        f'echo "${{MOIRA_REFINE:-${{MOIRA_ESTIMATOR:-env}}}} $*" >> {calls}\n'
         'out=""; prev=""\n'
         'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
         '[[ -n $out ]] && echo "{}" > "$out"\n'
@@ -114,7 +114,7 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
     result = _run(
         "--no-install", "--prefix", str(prefix),
         "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
-        "tpot:8192x4", "tpot-refine", "tpot-real-refine:8192x4",
+        "tpot:8192x4", "tpot-refine", "tpot-real:8192x4",
         tmp_path=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -134,17 +134,19 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
         ("wide", "MOIRA", "tpot_refine_wide.json"),
         ("off", "MOIRA", "tpot_refine_off.json"),
         ("env", "merge", "tpot_refine.json"),
-        ("env", "FLASH_ATTN", "tpot_real_refine_dense.json"),
-        ("wide", "MOIRA", "tpot_real_refine_wide.json"),
-        ("off", "MOIRA", "tpot_real_refine_off.json"),
-        ("env", "merge", "tpot_real_refine.json"),
+        ("env", "FLASH_ATTN", "tpot_real_dense.json"),
+        ("env", "MOIRA", "tpot_real_moira.json"),
+        ("wide", "MOIRA", "tpot_real_wide.json"),
+        ("mvar", "MOIRA", "tpot_real_mvar.json"),
+        ("env", "merge", "tpot_real.json"),
     ]
     # tpot-refine: the speed rows' shapes, fixed-count arms only (no coverage arm).
     for line in lines[3:6]:
         assert "--shapes 130048x4,8192x32" in line and "--gen 32" in line
     assert all(("--gammas=" in line) == (i in (4, 5)) for i, line in enumerate(lines[3:7], 3))
-    # The real-text MOIRA engines run the coverage rule only, on the given shapes and text.
-    for line in lines[8:10]:
-        assert "--gammas 0.99,0.98 --no-fixed" in line and "--shapes 8192x4" in line
+    # The real-text MOIRA engines run the coverage rule at the default γ only, on the
+    # given shapes and text.
+    for line in lines[8:11]:
+        assert "--gammas 0.98 --no-fixed" in line and "--shapes 8192x4" in line
         assert f"--prompts {tmp_path / 'p.json.gz'}" in line
     assert f"--merge {out}/tpot_refine_dense.json {out}/tpot_refine_wide.json" in lines[6]

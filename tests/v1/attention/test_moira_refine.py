@@ -234,12 +234,13 @@ def test_refine_config_and_constants():
     assert moira.REFINE_BELOW_NATS == ref.REFINE_BELOW_NATS
     assert moira.REFINE_WIDE_FACTOR == ref.REFINE_WIDE_FACTOR
     assert moira.MOIRA_REFINE_MODES == ref.REFINE_MODES
-    # The default refines (the accuracy bar of docs/estimator.md); the paper's algorithm
-    # and MOIRA_REFINE=off do not.
-    assert moira.MoiraConfig().refine == moira.MOIRA_DEFAULT_REFINE == "wide"
+    # The refinement is the opt-in accuracy mode: off by default (its reads cost more
+    # decode time on real text than they save) and in the paper's algorithm.
+    assert moira.MoiraConfig().refine == moira.MOIRA_DEFAULT_REFINE == "off"
+    assert not moira.MoiraConfig().refines
     assert moira.MoiraConfig.paper().refine == "off"
-    assert moira.moira_config_from_env({}).refine == "wide"
-    assert moira.moira_config_from_env({"MOIRA_REFINE": "off"}).refine == "off"
+    assert moira.moira_config_from_env({}).refine == "off"
+    assert moira.moira_config_from_env({"MOIRA_REFINE": "wide"}).refine == "wide"
     with pytest.raises(ValueError, match=r"MOIRA_REFINE must be one of \('off', 'wide'\)"):
         moira.moira_config_from_env({"MOIRA_REFINE": "exact"})
     ws = moira.MoiraWorkspace(2, 6, 2, 64, 8, moira.MoiraConfig(refine="wide"), "meta")
@@ -250,12 +251,12 @@ def test_refine_config_and_constants():
         off.set_selector(moira.MoiraConfig(refine="wide"))
     # A fixed count refines nothing: a workspace built for one allocates and launches
     # no refinement, and cannot be switched to the coverage rule that would need it.
-    fixed = moira.MoiraConfig(selector="fixed", fixed_pages=4)
-    assert fixed.refine == "wide" and not fixed.refines and moira.MoiraConfig().refines
+    fixed = moira.MoiraConfig(selector="fixed", fixed_pages=4, refine="wide")
+    assert not fixed.refines and moira.MoiraConfig(refine="wide").refines
     fixed_ws = moira.MoiraWorkspace(2, 6, 2, 64, 8, fixed, "meta")
     assert fixed_ws.select_stats is None and fixed_ws.nbytes() == off.nbytes()
     with pytest.raises(ValueError, match="cannot switch to selector='coverage'"):
-        fixed_ws.set_selector(moira.MoiraConfig())
+        fixed_ws.set_selector(moira.MoiraConfig(refine="wide"))
     fixed_ws.set_selector(dataclasses.replace(fixed, fixed_pages=6))
     ws.set_selector(fixed)  # coverage -> fixed: the captured launches refine nothing
 

@@ -103,9 +103,10 @@ MOIRA_DENSE_STEPS = ("moira", "fa3")
 #: REFINE_BELOW_NATS under Select's threshold (or above it) and whose spread term is
 #: large (REFINE_WIDE_FACTOR), then Select again (coverage rule only).
 MOIRA_REFINE_MODES = ("off", "wide")
-#: "wide": the default estimator alone drops needle pages that the refinement keeps
-#: (docs/estimator.md); its cost is in docs/results.md ("Estimator study").
-MOIRA_DEFAULT_REFINE = "wide"
+#: "wide" (the accuracy mode) reads the exact keys of the pages near the threshold and
+#: keeps needle pages the first stage under-states; it is off by default because those
+#: reads cost more decode time on real text than the pages it saves (docs/estimator.md).
+MOIRA_DEFAULT_REFINE = "off"
 #: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
 REFINE_BELOW_NATS = 3.0
 REFINE_WIDE_FACTOR = 0.75
