@@ -51,8 +51,11 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {"path": "tpot/tpot_real_h100.json", "optional": True},
-            {"path": "tpot/tpot_qwen_coder_real_h200.json", "commit": "336d422",
-             "config": DEFAULT_OFF},
+            {
+                "path": "tpot/tpot_qwen_coder_real_h200.json",
+                "commit": "336d422",
+                "config": DEFAULT_OFF,
+            },
         ],
     },  # fmt: skip
     {
@@ -66,19 +69,31 @@ MANIFEST: list[dict] = [
             "speed; the coverage rows show Estimate + Select at full reads."
         ),
         "records": [
-            {"path": "tpot/tpot_kv_dtypes_h200.json", "commit": "0c09116",
-             "config": DEFAULT_OFF, "filter": {"kv_cache_dtype": ["auto"]}},
-            {"path": "tpot/tpot_mid_final_h200.json", "commit": "3d23509",
-             "config": DEFAULT_OFF},
-            {"path": "tpot/tpot_mvar_b1_h200.json", "commit": "6869ee6",
-             "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
-             "filter": {"batch": [4, 32]}},
-            {"path": "tpot/tpot_qwen_now_h200.json", "commit": "bb43c43",
-             "config": DEFAULT_OFF},
-            {"path": "tpot/tpot_llama_at_qwen_coder_reads_h200.json", "commit": "336d422",
-             "config": DEFAULT_OFF},
-            {"path": "tpot/tpot_imma_h200.json", "commit": "7bd5144", "config": DEFAULT_OFF,
-             "filter": {"selector": ["coverage"]}},
+            {
+                "path": "tpot/tpot_kv_dtypes_h200.json",
+                "commit": "0c09116",
+                "config": DEFAULT_OFF,
+                "filter": {"kv_cache_dtype": ["auto"]},
+            },
+            {"path": "tpot/tpot_mid_final_h200.json", "commit": "3d23509", "config": DEFAULT_OFF},
+            {
+                "path": "tpot/tpot_mvar_b1_h200.json",
+                "commit": "6869ee6",
+                "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
+                "filter": {"batch": [4, 32]},
+            },
+            {"path": "tpot/tpot_qwen_now_h200.json", "commit": "bb43c43", "config": DEFAULT_OFF},
+            {
+                "path": "tpot/tpot_llama_at_qwen_coder_reads_h200.json",
+                "commit": "336d422",
+                "config": DEFAULT_OFF,
+            },
+            {
+                "path": "tpot/tpot_imma_h200.json",
+                "commit": "7bd5144",
+                "config": DEFAULT_OFF,
+                "filter": {"selector": ["coverage"]},
+            },
         ],
     },  # fmt: skip
     {
@@ -90,10 +105,16 @@ MANIFEST: list[dict] = [
             "level with dense by construction; the `fixed` rows force sparse steps."
         ),
         "records": [
-            {"path": "batch1/tpot_b1_fa3steps_h200.json", "commit": "b9f8d11",
-             "config": {**DEFAULT_OFF, "dense_batch_tokens": 32768}},
-            {"path": "batch1/tpot_b1_32k_final_h200.json", "commit": "af2182b",
-             "config": {**DEFAULT_OFF, "dense_batch_tokens": 36864}},
+            {
+                "path": "batch1/tpot_b1_fa3steps_h200.json",
+                "commit": "b9f8d11",
+                "config": {**DEFAULT_OFF, "dense_batch_tokens": 32768},
+            },
+            {
+                "path": "batch1/tpot_b1_32k_final_h200.json",
+                "commit": "af2182b",
+                "config": {**DEFAULT_OFF, "dense_batch_tokens": 36864},
+            },
         ],
     },  # fmt: skip
     {
@@ -105,17 +126,30 @@ MANIFEST: list[dict] = [
             "whole run, prefill included."
         ),
         "records": [
-            {"path": "serving/serving_qwen_real_h200.json", "commit": "4c2bea9",
-             "model": f"{QWEN} (real weights, text of 4k–30k tokens)", "config": DEFAULT_OFF},
-            {"path": "serving/serving_setA_phases_h200.json", "commit": "6869ee6",
-             "model": "Llama-3.1-8B (dummy weights, set A: 4k–64k prompts)",
-             "config": DEFAULT_OFF},
-            {"path": "serving/serving_setB_h200.json", "commit": "f0e0aa7",
-             "model": "Llama-3.1-8B (dummy weights, set B: 64k–126k prompts)",
-             "config": {**DEFAULT_OFF, "attend": "lists (Alg. 2)"}},
-            {"path": "serving/serving_setB_c1_h200.json", "commit": "f0e0aa7",
-             "model": "Llama-3.1-8B (dummy weights, set B: 64k–126k prompts)",
-             "config": {**DEFAULT_OFF, "attend": "lists (Alg. 2)"}},
+            {
+                "path": "serving/serving_qwen_real_h200.json",
+                "commit": "4c2bea9",
+                "model": f"{QWEN} (real weights, text of 4k–30k tokens)",
+                "config": DEFAULT_OFF,
+            },
+            {
+                "path": "serving/serving_setA_phases_h200.json",
+                "commit": "6869ee6",
+                "model": "Llama-3.1-8B (dummy weights, set A: 4k–64k prompts)",
+                "config": DEFAULT_OFF,
+            },
+            {
+                "path": "serving/serving_setB_h200.json",
+                "commit": "f0e0aa7",
+                "model": "Llama-3.1-8B (dummy weights, set B: 64k–126k prompts)",
+                "config": {**DEFAULT_OFF, "attend": "lists (Alg. 2)"},
+            },
+            {
+                "path": "serving/serving_setB_c1_h200.json",
+                "commit": "f0e0aa7",
+                "model": "Llama-3.1-8B (dummy weights, set B: 64k–126k prompts)",
+                "config": {**DEFAULT_OFF, "attend": "lists (Alg. 2)"},
+            },
         ],
     },  # fmt: skip
     {
@@ -129,17 +163,38 @@ MANIFEST: list[dict] = [
             "γ 0.98. Arms without an estimator in their label ran the record's configuration."
         ),
         "records": [
-            {"path": "accuracy/accuracy_qwen_vllm_h200.json", "commit": "8c19d2b",
-             "device": H200, "config": DEFAULT_OFF},
-            {"path": "accuracy/accuracy_qwen_vllm_refine_h200.json", "commit": "a5a88f5",
-             "device": H200, "config": DEFAULT_WIDE},
-            {"path": "accuracy/accuracy_smollm2_vllm_final_h200.json", "commit": "e23043e",
-             "device": H200, "model": "SmolLM2-135M-Instruct", "config": DEFAULT_OFF},
-            {"path": "accuracy/accuracy_smollm2_vllm_mvar_h200.json", "commit": "e23043e",
-             "device": H200, "model": "SmolLM2-135M-Instruct",
-             "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"}},
-            {"path": "accuracy/accuracy_smollm2_vllm_refine_h200.json", "commit": "a5a88f5",
-             "device": H200, "config": DEFAULT_WIDE},
+            {
+                "path": "accuracy/accuracy_qwen_vllm_h200.json",
+                "commit": "8c19d2b",
+                "device": H200,
+                "config": DEFAULT_OFF,
+            },
+            {
+                "path": "accuracy/accuracy_qwen_vllm_refine_h200.json",
+                "commit": "a5a88f5",
+                "device": H200,
+                "config": DEFAULT_WIDE,
+            },
+            {
+                "path": "accuracy/accuracy_smollm2_vllm_final_h200.json",
+                "commit": "e23043e",
+                "device": H200,
+                "model": "SmolLM2-135M-Instruct",
+                "config": DEFAULT_OFF,
+            },
+            {
+                "path": "accuracy/accuracy_smollm2_vllm_mvar_h200.json",
+                "commit": "e23043e",
+                "device": H200,
+                "model": "SmolLM2-135M-Instruct",
+                "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
+            },
+            {
+                "path": "accuracy/accuracy_smollm2_vllm_refine_h200.json",
+                "commit": "a5a88f5",
+                "device": H200,
+                "config": DEFAULT_WIDE,
+            },
         ],
     },  # fmt: skip
     {
@@ -154,25 +209,56 @@ MANIFEST: list[dict] = [
             "refinement (`MOIRA_REFINE=wide`). Method: [estimator.md](estimator.md)."
         ),
         "records": [
-            {"path": "estimator/estimator_widened_smollm2.json", "commit": "6906d9f",
-             "device": "CPU",
-             "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8"]}},
-            {"path": "estimator/estimator_refine_smollm2.json", "commit": "8cabe43",
-             "device": "CPU",
-             "filter": {"estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]}},
-            {"path": "estimator/estimator_widened_qwen.json", "commit": "135ef80",
-             "device": "CPU",
-             "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8"]}},
-            {"path": "estimator/estimator_refine_qwen.json", "commit": "f72a57a",
-             "device": "CPU",
-             "filter": {"estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]}},
-            {"path": "estimator/estimator_qwen_8k.json", "commit": "887a617", "device": "CPU",
-             "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8",
-                                      "2v/int8:mvar_top8/oracle/3/0.75"]}},
-            {"path": "estimator/estimator_qwen_16k.json", "commit": "fc14aed",
-             "device": "CPU",
-             "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8",
-                                      "2v/int8:mvar_top8/oracle/3/0.75"]}},
+            {
+                "path": "estimator/estimator_widened_smollm2.json",
+                "commit": "6906d9f",
+                "device": "CPU",
+                "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8"]},
+            },
+            {
+                "path": "estimator/estimator_refine_smollm2.json",
+                "commit": "8cabe43",
+                "device": "CPU",
+                "filter": {"estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
+            },
+            {
+                "path": "estimator/estimator_widened_qwen.json",
+                "commit": "135ef80",
+                "device": "CPU",
+                "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8"]},
+            },
+            {
+                "path": "estimator/estimator_refine_qwen.json",
+                "commit": "f72a57a",
+                "device": "CPU",
+                "filter": {"estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
+            },
+            {
+                "path": "estimator/estimator_qwen_8k.json",
+                "commit": "887a617",
+                "device": "CPU",
+                "filter": {
+                    "estimator": [
+                        "oracle",
+                        "mvar",
+                        "int8:mvar_top8",
+                        "2v/int8:mvar_top8/oracle/3/0.75",
+                    ]
+                },
+            },
+            {
+                "path": "estimator/estimator_qwen_16k.json",
+                "commit": "fc14aed",
+                "device": "CPU",
+                "filter": {
+                    "estimator": [
+                        "oracle",
+                        "mvar",
+                        "int8:mvar_top8",
+                        "2v/int8:mvar_top8/oracle/3/0.75",
+                    ]
+                },
+            },
         ],
     },  # fmt: skip
     {
@@ -185,10 +271,18 @@ MANIFEST: list[dict] = [
             "[Accuracy in vLLM](#accuracy-in-vllm) below."
         ),
         "records": [
-            {"path": "tpot/tpot_fp8_stages_h200.json", "commit": "f773cc7",
-             "config": DEFAULT_OFF, "filter": {"kv_cache_dtype": ["fp8"]}},
-            {"path": "tpot/tpot_kv_dtypes_h200.json", "commit": "0c09116",
-             "config": DEFAULT_OFF, "filter": {"kv_cache_dtype": ["fp8"]}},
+            {
+                "path": "tpot/tpot_fp8_stages_h200.json",
+                "commit": "f773cc7",
+                "config": DEFAULT_OFF,
+                "filter": {"kv_cache_dtype": ["fp8"]},
+            },
+            {
+                "path": "tpot/tpot_kv_dtypes_h200.json",
+                "commit": "0c09116",
+                "config": DEFAULT_OFF,
+                "filter": {"kv_cache_dtype": ["fp8"]},
+            },
         ],
     },  # fmt: skip
     {
@@ -196,10 +290,18 @@ MANIFEST: list[dict] = [
         "kind": "accuracy",
         "intro": "As in [Accuracy in vLLM](#accuracy-in-vllm), all arms on an fp8 (e4m3) cache.",
         "records": [
-            {"path": "accuracy/accuracy_qwen_vllm_fp8_h200.json", "commit": "a5a88f5",
-             "device": H200, "config": DEFAULT_OFF},
-            {"path": "accuracy/accuracy_smollm2_vllm_fp8_h200.json", "commit": "0c09116",
-             "device": H200, "config": DEFAULT_OFF},
+            {
+                "path": "accuracy/accuracy_qwen_vllm_fp8_h200.json",
+                "commit": "a5a88f5",
+                "device": H200,
+                "config": DEFAULT_OFF,
+            },
+            {
+                "path": "accuracy/accuracy_smollm2_vllm_fp8_h200.json",
+                "commit": "0c09116",
+                "device": H200,
+                "config": DEFAULT_OFF,
+            },
         ],
     },  # fmt: skip
     {
@@ -210,9 +312,16 @@ MANIFEST: list[dict] = [
             "γ 1 checked against dense."
         ),
         "records": [
-            {"path": "tensor_parallel/tp2_h200.json", "commit": "aac2044",
-             "config": {"estimator": "mvar", "summary_dtype": "bf16", "refine": "off",
-                        "attend": "lists (Alg. 2)"}},
+            {
+                "path": "tensor_parallel/tp2_h200.json",
+                "commit": "aac2044",
+                "config": {
+                    "estimator": "mvar",
+                    "summary_dtype": "bf16",
+                    "refine": "off",
+                    "attend": "lists (Alg. 2)",
+                },
+            },
         ],
     },  # fmt: skip
     {
@@ -237,26 +346,46 @@ MANIFEST: list[dict] = [
             "added, and a serving soak under preemption and prefix caching."
         ),
         "records": [
-            {"path": "correctness/pytest_gpu_h100.log", "commit": "8a31bda", "device": H100,
-             "command": "bash benchmarks/run_gpu.sh --out DIR gpu-tests"},
-            {"path": "fp8/gpu_tests_fp8_h200.log", "commit": "4906468", "device": H200,
-             "command": "bash benchmarks/run_gpu.sh --kv-cache-dtype fp8 --out DIR "
-                        "gpu-tests:fp8"},
-            {"path": "correctness/e2e_dense_steps_h200.json", "commit": "4794177",
-             "device": H200,
-             "command": "python benchmarks/e2e_moira_vllm.py --timeout 185 --out ..."},
-            {"path": "correctness/summaries_in_vllm_dense_steps_h200.json",
-             "commit": "4794177"},
-            {"path": "upstream/vllm_tests_gamma1_h200.jsonl", "commit": "8c19d2b",
-             "device": H200,
-             "command": "python tests/upstream/run_vllm_tests.py run --gamma 1 --out DIR"},
-            {"path": "upstream/vllm_tests_gamma0.98_h200.jsonl", "commit": "0c09116",
-             "device": H200,
-             "command": "python tests/upstream/run_vllm_tests.py run --gamma 0.98 --out DIR"},
-            {"path": "soak/soak_h200.json", "commit": "e23043e", "device": H200,
-             "command": "python benchmarks/soak_serve.py --phases moira1,dense,moira098 "
-                        "--gamma-check --requests 100 --max-len 32768 --max-tokens 128 "
-                        "--num-gpu-blocks 1100 --out ..."},
+            {
+                "path": "correctness/pytest_gpu_h100.log",
+                "commit": "8a31bda",
+                "device": H100,
+                "command": "bash benchmarks/run_gpu.sh --out DIR gpu-tests",
+            },
+            {
+                "path": "fp8/gpu_tests_fp8_h200.log",
+                "commit": "4906468",
+                "device": H200,
+                "command": "bash benchmarks/run_gpu.sh --kv-cache-dtype fp8 --out DIR "
+                "gpu-tests:fp8",
+            },
+            {
+                "path": "correctness/e2e_dense_steps_h200.json",
+                "commit": "4794177",
+                "device": H200,
+                "command": "python benchmarks/e2e_moira_vllm.py --timeout 185 --out ...",
+            },
+            {"path": "correctness/summaries_in_vllm_dense_steps_h200.json", "commit": "4794177"},
+            {
+                "path": "upstream/vllm_tests_gamma1_h200.jsonl",
+                "commit": "8c19d2b",
+                "device": H200,
+                "command": "python tests/upstream/run_vllm_tests.py run --gamma 1 --out DIR",
+            },
+            {
+                "path": "upstream/vllm_tests_gamma0.98_h200.jsonl",
+                "commit": "0c09116",
+                "device": H200,
+                "command": "python tests/upstream/run_vllm_tests.py run --gamma 0.98 --out DIR",
+            },
+            {
+                "path": "soak/soak_h200.json",
+                "commit": "e23043e",
+                "device": H200,
+                "command": "python benchmarks/soak_serve.py --phases moira1,dense,moira098 "
+                "--gamma-check --requests 100 --max-len 32768 --max-tokens 128 "
+                "--num-gpu-blocks 1100 --out ...",
+            },
         ],
     },  # fmt: skip
     {
@@ -269,8 +398,7 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {"path": "kernel_timing/kernel_timing_pages_h200.json", "commit": "0f7987a"},
-            {"path": "kernel_timing/estimate_select_refine_timing_h100.json",
-             "commit": "5cab70d"},
+            {"path": "kernel_timing/estimate_select_refine_timing_h100.json", "commit": "5cab70d"},
         ],
     },  # fmt: skip
     {
@@ -284,8 +412,12 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {"path": "kernel_spread/kernels_h200.json", "commit": "3a87d01"},
-            {"path": "kernel_spread/real_fractions_smollm2.json", "commit": "9b7e23a",
-             "device": "CPU", "input_only": True},
+            {
+                "path": "kernel_spread/real_fractions_smollm2.json",
+                "commit": "9b7e23a",
+                "device": "CPU",
+                "input_only": True,
+            },
         ],
         "figures": ["img/kernel_spread.png"],
     },  # fmt: skip
@@ -412,7 +544,8 @@ def meta(entry: dict, data, results: Path = RESULTS) -> dict:
 def provenance(entry: dict, m: dict) -> list[str]:
     lines = [f"- `{entry['path']}`: commit {m['commit']}, {m['device']}; `{m['command']}`"]
     if m["sources"]:
-        lines[-1] += "; its inputs: " if m.get("merged", True) else "; then: " + "; ".join(f"`{c}`" for c in m["sources"])
+        lead = "; its inputs: " if m.get("merged", True) else "; then: "
+        lines[-1] += lead + "; ".join(f"`{c}`" for c in m["sources"])
     if m.get("copy_tbps"):
         lines[-1] += f"; device copy rate in the same run {m['copy_tbps']:.2f} TB/s"
     return lines
@@ -451,8 +584,9 @@ def render_tpot(section: dict, loaded: list) -> list[str]:
     for entry, data, _ in loaded:
         g = data.get("greedy_moira_gamma1_vs_dense")
         if g:
+            n = len(g.get("prompts", []))
             lines += ["", f"Greedy outputs at γ 1 equal to dense (`{entry['path']}`): "
-                      f"{fmt(g.get('all_equal'))}, {len(g.get('prompts', []))} prompts."]  # fmt: skip
+                      f"{fmt(g.get('all_equal'))}, {n} prompts."]  # fmt: skip
     return lines
 
 
@@ -600,8 +734,10 @@ def check_row(entry: dict, data) -> list[str]:
         moira = [r for r in data if r.get("backend") == "MOIRA"]
         ok = sum(1 for r in moira if r.get("within_tolerance"))
         gamma = moira[0].get("gamma") if moira else NOT_RECORDED
-        return [f"vLLM's attention-backend tests, MOIRA at γ {gamma}",
-                f"{ok} / {len(moira)} comparisons within tolerance"]
+        return [
+            f"vLLM's attention-backend tests, MOIRA at γ {gamma}",
+            f"{ok} / {len(moira)} comparisons within tolerance",
+        ]
     if "compare_gamma1_vs_dense" in data or "phases" in data:
         phases = data.get("summary") or {}
         done = ", ".join(f"{k}: {v.get('completed')}/{v.get('requests')} completed, "
@@ -638,9 +774,9 @@ def render_checks(section: dict, loaded: list) -> list[str]:
 
 
 def render_timing(section: dict, loaded: list) -> list[str]:
-    header = ["shape", "estimator", "refine", "Estimate µs", "Select µs", "Estimate (+ refine) + Select µs",
-              "Attend + Merge µs (reads)", "Attend % of copy rate", "dense FA3 µs", "device",
-              "record"]  # fmt: skip
+    header = ["shape", "estimator", "refine", "Estimate µs", "Select µs",
+              "Estimate (+ refine) + Select µs", "Attend + Merge µs (reads)",
+              "Attend % of copy rate", "dense FA3 µs", "device", "record"]  # fmt: skip
     rows = []
     for entry, data, m in loaded:
         for r in data.get("rows", []):
@@ -670,7 +806,7 @@ def render_spread(section: dict, loaded: list) -> list[str]:
         cells: dict = {}
         keys: list = []
         for r in data.get("rows", []):
-            cv = "real" if r.get("cv") == "real" else fmt(r.get("cv"), 1) if r.get("cv") is not None else "–"
+            cv = "–" if r.get("cv") is None else "real" if r["cv"] == "real" else fmt(r["cv"], 1)
             k = (r["context"], r["batch"])
             if k not in keys:
                 keys.append(k)

@@ -33,14 +33,24 @@ def test_results_tree_holds_only_cited_records():
 
 
 def _tpot_record(gpu="NVIDIA H100 80GB HBM3", **moira):
-    dense = {"model": "M", "batch": 16, "context": 32768, "kv_cache_dtype": "auto",
-             "arm": "dense", "selector": None, "gamma": None, "reads": None, "tpot_ms": 7.0}
+    dense = {
+        "model": "M",
+        "batch": 16,
+        "context": 32768,
+        "kv_cache_dtype": "auto",
+        "arm": "dense",
+        "selector": None,
+        "gamma": None,
+        "reads": None,
+        "tpot_ms": 7.0,
+    }
     sp = {"model": "M", "batch": 16, "context": 32768, "kv_cache_dtype": "auto",
           "selector": "coverage", "gamma": 0.98, "fixed_fraction": None, "reads": 0.476,
           "dense_ms": 7.0, "moira_ms": 5.5, "speedup": 7.0 / 5.5, **moira}  # fmt: skip
     return {"command": "python benchmarks/bench_tpot.py --merge /root/x/d.json /root/x/m.json "
                        "--out tpot_real.json",
-            "gpu": gpu, "sources": [{"file": "d.json", "command": "python bench --out /root/a/d.json"}],
+            "gpu": gpu,
+            "sources": [{"file": "d.json", "command": "python b.py --out /root/a/d.json"}],
             "rows": [dense], "speedups": [sp], "breakdown": []}  # fmt: skip
 
 
@@ -65,7 +75,8 @@ def test_tpot_table_names_configuration_device_and_commit(tmp_path):
     # the host's absolute paths are cut to their last part
     prov = next(line for line in page.splitlines() if line.startswith("- `tpot/r.json`"))
     assert "commit abcdef012, NVIDIA H100 80GB HBM3" in prov
-    assert "/root/" not in page and "…/d.json" in prov
+    assert "/root/" not in page
+    assert "; its inputs: `python b.py --out …/d.json`" in prov
 
 
 def test_manifest_config_fills_rows_without_engine_fields(tmp_path):
