@@ -38,6 +38,8 @@ DEFAULT_OFF = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "off
 DEFAULT_WIDE = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "wide"}
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 QWEN = "Qwen2.5-Coder-1.5B-Instruct"
+#: Accuracy arms shown: dense, γ 0.99 and 0.98, and the fixed count at γ 0.98's reads.
+ACC_GAMMAS = {"gamma": [None, 0.98, 0.99]}
 
 MANIFEST: list[dict] = [
     {
@@ -102,18 +104,20 @@ MANIFEST: list[dict] = [
         "intro": (
             "One request (Llama-3.1-8B, dummy weights). Steps whose batch holds fewer tokens "
             "than the dense-row threshold run FA3's own decode graph, so short contexts are "
-            "level with dense by construction; the `fixed` rows force sparse steps."
+            "level with dense by construction."
         ),
         "records": [
             {
                 "path": "batch1/tpot_b1_fa3steps_h200.json",
                 "commit": "b9f8d11",
                 "config": {**DEFAULT_OFF, "dense_batch_tokens": 32768},
+                "filter": {"selector": ["coverage"]},
             },
             {
                 "path": "batch1/tpot_b1_32k_final_h200.json",
                 "commit": "af2182b",
                 "config": {**DEFAULT_OFF, "dense_batch_tokens": 36864},
+                "filter": {"selector": ["coverage"]},
             },
         ],
     },  # fmt: skip
@@ -160,7 +164,8 @@ MANIFEST: list[dict] = [
             "haystacks, greedy, scored against the reference answers; Δ is Moira's score "
             "minus dense FA3's on the same prompts, in points; reads is the fraction of pages "
             "Select kept. `fixed…@reads(0.98)` is the fixed-count selector at the reads of "
-            "γ 0.98. Arms without an estimator in their label ran the record's configuration."
+            "γ 0.98. A label names the arm's estimator, summary dtype (`int4:`) and refinement "
+            "(`+wide`) where they differ from the configuration named above its table."
         ),
         "records": [
             {
@@ -168,12 +173,14 @@ MANIFEST: list[dict] = [
                 "commit": "8c19d2b",
                 "device": H200,
                 "config": DEFAULT_OFF,
+                "filter": ACC_GAMMAS,
             },
             {
                 "path": "accuracy/accuracy_qwen_vllm_refine_h200.json",
                 "commit": "a5a88f5",
                 "device": H200,
                 "config": DEFAULT_WIDE,
+                "filter": ACC_GAMMAS,
             },
             {
                 "path": "accuracy/accuracy_smollm2_vllm_final_h200.json",
@@ -181,6 +188,7 @@ MANIFEST: list[dict] = [
                 "device": H200,
                 "model": "SmolLM2-135M-Instruct",
                 "config": DEFAULT_OFF,
+                "filter": ACC_GAMMAS,
             },
             {
                 "path": "accuracy/accuracy_smollm2_vllm_mvar_h200.json",
@@ -188,12 +196,14 @@ MANIFEST: list[dict] = [
                 "device": H200,
                 "model": "SmolLM2-135M-Instruct",
                 "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
+                "filter": ACC_GAMMAS,
             },
             {
                 "path": "accuracy/accuracy_smollm2_vllm_refine_h200.json",
                 "commit": "a5a88f5",
                 "device": H200,
                 "config": DEFAULT_WIDE,
+                "filter": ACC_GAMMAS,
             },
         ],
     },  # fmt: skip
@@ -213,37 +223,38 @@ MANIFEST: list[dict] = [
                 "path": "estimator/estimator_widened_smollm2.json",
                 "commit": "6906d9f",
                 "device": "CPU",
-                "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8"]},
+                "filter": {"gamma": [0.98], "estimator": ["oracle", "mvar", "int8:mvar_top8"]},
             },
             {
                 "path": "estimator/estimator_refine_smollm2.json",
                 "commit": "8cabe43",
                 "device": "CPU",
-                "filter": {"estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
+                "filter": {"gamma": [0.98], "estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
             },
             {
                 "path": "estimator/estimator_widened_qwen.json",
                 "commit": "135ef80",
                 "device": "CPU",
-                "filter": {"estimator": ["oracle", "mvar", "int8:mvar_top8"]},
+                "filter": {"gamma": [0.98], "estimator": ["oracle", "mvar", "int8:mvar_top8"]},
             },
             {
                 "path": "estimator/estimator_refine_qwen.json",
                 "commit": "f72a57a",
                 "device": "CPU",
-                "filter": {"estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
+                "filter": {"gamma": [0.98], "estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
             },
             {
                 "path": "estimator/estimator_qwen_8k.json",
                 "commit": "887a617",
                 "device": "CPU",
                 "filter": {
+                    "gamma": [0.98],
                     "estimator": [
                         "oracle",
                         "mvar",
                         "int8:mvar_top8",
                         "2v/int8:mvar_top8/oracle/3/0.75",
-                    ]
+                    ],
                 },
             },
             {
@@ -251,12 +262,13 @@ MANIFEST: list[dict] = [
                 "commit": "fc14aed",
                 "device": "CPU",
                 "filter": {
+                    "gamma": [0.98],
                     "estimator": [
                         "oracle",
                         "mvar",
                         "int8:mvar_top8",
                         "2v/int8:mvar_top8/oracle/3/0.75",
-                    ]
+                    ],
                 },
             },
         ],
@@ -632,8 +644,8 @@ def accuracy_label(r: dict) -> str:
 
 
 def accuracy_table(entry: dict, data: dict) -> list[str]:
-    rows = [r for r in data.get("rows", [])
-            if r.get("task") == "all" and r.get("haystack") is None]  # fmt: skip
+    rows = [r for r in data.get("rows", []) if r.get("task") == "all"
+            and r.get("haystack") is None and keep(r, entry.get("filter"))]  # fmt: skip
     contexts = sorted({r["context"] for r in rows})
     labels: list[str] = []
     cell: dict = {}
