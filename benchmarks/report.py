@@ -82,19 +82,13 @@ MANIFEST: list[dict] = [
                 "path": "tpot/tpot_mvar_b1_h200.json",
                 "commit": "6869ee6",
                 "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
-                "filter": {"batch": [4, 32]},
+                "filter": {"batch": [4, 32], "selector": ["fixed"]},
             },
             {"path": "tpot/tpot_qwen_now_h200.json", "commit": "bb43c43", "config": DEFAULT_OFF},
             {
                 "path": "tpot/tpot_llama_at_qwen_coder_reads_h200.json",
                 "commit": "336d422",
                 "config": DEFAULT_OFF,
-            },
-            {
-                "path": "tpot/tpot_imma_h200.json",
-                "commit": "7bd5144",
-                "config": DEFAULT_OFF,
-                "filter": {"selector": ["coverage"]},
             },
         ],
     },  # fmt: skip
