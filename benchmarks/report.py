@@ -174,7 +174,7 @@ MANIFEST: list[dict] = [
                 "commit": "a5a88f5",
                 "device": H200,
                 "config": DEFAULT_WIDE,
-                "filter": ACC_GAMMAS,
+                "filter": {**ACC_GAMMAS, "estimator": [None, "mvar_top8+wide"]},
             },
             {
                 "path": "accuracy/accuracy_smollm2_vllm_final_h200.json",
@@ -197,7 +197,7 @@ MANIFEST: list[dict] = [
                 "commit": "a5a88f5",
                 "device": H200,
                 "config": DEFAULT_WIDE,
-                "filter": ACC_GAMMAS,
+                "filter": {**ACC_GAMMAS, "estimator": [None, "mvar_top8+wide"]},
             },
         ],
     },  # fmt: skip
@@ -302,12 +302,6 @@ MANIFEST: list[dict] = [
                 "device": H200,
                 "config": DEFAULT_OFF,
             },
-            {
-                "path": "accuracy/accuracy_smollm2_vllm_fp8_h200.json",
-                "commit": "0c09116",
-                "device": H200,
-                "config": DEFAULT_OFF,
-            },
         ],
     },  # fmt: skip
     {
@@ -404,7 +398,11 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {"path": "kernel_timing/kernel_timing_pages_h200.json", "commit": "0f7987a"},
-            {"path": "kernel_timing/estimate_select_refine_timing_h100.json", "commit": "5cab70d"},
+            {
+                "path": "kernel_timing/estimate_select_refine_timing_h100.json",
+                "commit": "5cab70d",
+                "filter": {"summary_dtype": ["int8"]},
+            },
         ],
     },  # fmt: skip
     {
@@ -417,7 +415,11 @@ MANIFEST: list[dict] = [
             "is the backend's Attend; `moira` is the paper's Alg. 2."
         ),
         "records": [
-            {"path": "kernel_spread/kernels_h200.json", "commit": "3a87d01"},
+            {
+                "path": "kernel_spread/kernels_h200.json",
+                "commit": "3a87d01",
+                "filter": {"context": [8192, 131072]},
+            },
             {
                 "path": "kernel_spread/real_fractions_smollm2.json",
                 "commit": "9b7e23a",
@@ -787,6 +789,8 @@ def render_timing(section: dict, loaded: list) -> list[str]:
     for entry, data, m in loaded:
         for r in data.get("rows", []):
             for e in r.get("estimators", []):
+                if not keep(e, entry.get("filter")):
+                    continue
                 rows.append([
                     r["shape"], f"`{e.get('summary_dtype')}:{e['estimator']}`",
                     e.get("refine") or "off", fmt(e.get("estimate_us")),
@@ -812,6 +816,8 @@ def render_spread(section: dict, loaded: list) -> list[str]:
         cells: dict = {}
         keys: list = []
         for r in data.get("rows", []):
+            if not keep(r, entry.get("filter")):
+                continue
             cv = "–" if r.get("cv") is None else "real" if r["cv"] == "real" else fmt(r["cv"], 1)
             k = (r["context"], r["batch"])
             if k not in keys:
@@ -888,12 +894,12 @@ def render(manifest: list[dict] | None = None, warn=None, results: Path = RESULT
         for fig in section.get("figures", []):
             lines += [f"![{section['title']}]({fig})", ""]
         if section["kind"] != "checks":
-            lines += ["Records:", ""]
+            lines += ["Records:"]
             for entry, _, m in loaded:
                 lines += provenance(entry, m)
             lines += [""]
         else:
-            lines += ["Commands:", ""]
+            lines += ["Commands:"]
             lines += [f"- `{e['path']}`: `{m['command']}`" for e, _, m in loaded] + [""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
