@@ -105,7 +105,7 @@ MANIFEST: list[dict] = [
                 "path": "batch1/tpot_b1_fa3steps_h200.json",
                 "commit": "b9f8d11",
                 "config": {**DEFAULT_OFF, "dense_batch_tokens": 32768},
-                "filter": {"selector": ["coverage"]},
+                "filter": {"selector": ["coverage"], "context": [16384, 32768, 65536]},
             },
             {
                 "path": "batch1/tpot_b1_32k_final_h200.json",
@@ -222,18 +222,6 @@ MANIFEST: list[dict] = [
             {
                 "path": "estimator/estimator_refine_smollm2.json",
                 "commit": "8cabe43",
-                "device": "CPU",
-                "filter": {"gamma": [0.98], "estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
-            },
-            {
-                "path": "estimator/estimator_widened_qwen.json",
-                "commit": "135ef80",
-                "device": "CPU",
-                "filter": {"gamma": [0.98], "estimator": ["oracle", "mvar", "int8:mvar_top8"]},
-            },
-            {
-                "path": "estimator/estimator_refine_qwen.json",
-                "commit": "f72a57a",
                 "device": "CPU",
                 "filter": {"gamma": [0.98], "estimator": ["2v/int8:mvar_top8/oracle/3/0.75"]},
             },
