@@ -5,6 +5,7 @@ built from small synthetic records (CPU, standard library only)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,15 @@ def test_results_tree_holds_only_cited_records():
     extra = sorted(f for f in files - cited if f != "README.md" and not f.endswith(".run.json"))
     assert not extra, f"records no section cites (git rm them or add them): {extra}"
     assert len(files) <= 100
+
+
+def test_readme_cites_current_records():
+    """Every record the README's results table names is one the results page cites."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Results") : readme.index("## Two commands")]
+    named = set(re.findall(r"`([\w./-]+\.jsonl?)`", table))
+    assert named, "no record named in the README's results table"
+    assert not named - set(report.cited()), sorted(named - set(report.cited()))
 
 
 def _tpot_record(gpu="NVIDIA H100 80GB HBM3", **moira):
