@@ -589,27 +589,31 @@ def render_tpot(section: dict, loaded: list) -> list[str]:
 
 
 def serving_rows(entry: dict, data: dict) -> list[list[str]]:
-    by = {}
+    """One row per (concurrency, non-dense arm), against the dense arm at that concurrency."""
+    by: dict = {}
     for r in data.get("rows", []):
-        by.setdefault(r["concurrency"], {})[r["arm"]] = r
+        by.setdefault(r["concurrency"], {}).setdefault(r["arm"], r)
     out = []
     for c in sorted(by):
-        d, m = by[c].get("dense"), by[c].get("moira")
-        if not d or not m:
-            continue
-        env = " ".join(re.findall(r"MOIRA_\w+=\S+", m.get("server_command") or ""))
-        cfg = config_text({}, entry.get("config"))
-        cfg = f"{cfg}; `{env}`" if env else cfg
-        gain = (data.get("gains") or {}).get(f"c{c}")
-        if gain is None and d.get("output_tok_s"):
-            gain = m["output_tok_s"] / d["output_tok_s"] - 1
-        out.append([
-            entry.get("model") or str(m.get("model")), str(c), cfg,
-            fmt(d.get("output_tok_s"), 0), fmt(m.get("output_tok_s"), 0),
-            "–" if gain is None else f"**{gain * 100:+.1f}%**",
-            fmt(d.get("median_tpot_ms")), fmt(m.get("median_tpot_ms")),
-            f"`{entry['path']}`",
-        ])  # fmt: skip
+        d = by[c].get("dense")
+        for arm, m in by[c].items():
+            if arm == "dense" or not d:
+                continue
+            env = " ".join(re.findall(r"MOIRA_\w+=\S+", m.get("server_command") or ""))
+            cfg = config_text(m, entry.get("config"))
+            cfg = f"{cfg}; `{env}`" if env else cfg
+            if arm != "moira":
+                cfg = f"`{arm}`: {cfg}"
+            gain = (data.get("gains") or {}).get(f"c{c}") if arm == "moira" else None
+            if gain is None and d.get("output_tok_s") and m.get("output_tok_s"):
+                gain = m["output_tok_s"] / d["output_tok_s"] - 1
+            out.append([
+                entry.get("model") or str(m.get("model")), str(c), cfg,
+                fmt(d.get("output_tok_s"), 0), fmt(m.get("output_tok_s"), 0),
+                "–" if gain is None else f"**{gain * 100:+.1f}%**",
+                fmt(d.get("median_tpot_ms")), fmt(m.get("median_tpot_ms")),
+                f"`{entry['path']}`",
+            ])  # fmt: skip
     return out
 
 
