@@ -263,8 +263,8 @@ MANIFEST: list[dict] = [
         "intro": (
             "`--kv-cache-dtype fp8` (e4m3): Moira against dense FA3 on the same fp8 cache and, "
             "in brackets, against dense on a bf16 cache. Llama-3.1-8B, dummy weights, fixed "
-            "page counts. Accuracy on fp8 caches: the fp8 tables of "
-            "[Accuracy in vLLM](#accuracy-in-vllm) below."
+            "page counts. Accuracy on fp8 caches: "
+            "[below](#accuracy-in-vllm-fp8-kv-cache)."
         ),
         "records": [
             {
@@ -291,6 +291,7 @@ MANIFEST: list[dict] = [
                 "commit": "a5a88f5",
                 "device": H200,
                 "config": DEFAULT_OFF,
+                "filter": ACC_GAMMAS,
             },
         ],
     },  # fmt: skip
@@ -466,7 +467,8 @@ def clean_command(cmd: str | None) -> str:
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    out = ["| " + " | ".join(c.replace("|", "\\|") for c in header) + " |",
+           "|" + " --- |" * len(header)]  # fmt: skip
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
     return out
 
@@ -481,6 +483,8 @@ def config_text(row: dict, defaults: dict | None) -> str:
             v = merged[k]
             parts.append(f"refine {v}" if k == "refine" else f"{k} {v}" if k in (
                 "attend", "dense_batch_tokens") else str(v))  # fmt: skip
+    if row.get("attend_launch"):
+        parts.append(f"Attend launch `{json.dumps(row['attend_launch'], sort_keys=True)}`")
     sel = row.get("selector")
     if sel == "coverage":
         parts.append(f"coverage γ {fmt(row.get('gamma'), 2)}")
