@@ -702,7 +702,8 @@ def render_estimator(section: dict, loaded: list) -> list[str]:
 
 
 def render_correctness(section: dict, loaded: list) -> list[str]:
-    header = ["record", "KV cache", "shape", "γ = 1: max |Δ| vs FA3 (bound)",
+    header = ["record", "KV cache", "shape", "γ = 1: max |Δ| vs FA3 (one bf16 ulp)",
+              "γ = 1: max |Δ| vs float32, Moira / FA3",
               "graph replay bitwise", "Select lists = reference (γ, estimator: equal/rows)",
               "int8 summaries: max step diff"]  # fmt: skip
     rows = []
@@ -721,7 +722,9 @@ def render_correctness(section: dict, loaded: list) -> list[str]:
             bound = g1.get("bound_one_bf16_ulp") or g1.get("bound")
             rows.append([
                 f"`{entry['path']}`", "bf16" if kv == "auto" else kv, case.get("shape", "–"),
-                f"{sci(g1.get('max_abs_diff_vs_fa3'))} ({sci(bound)})", fmt(bitwise),
+                f"{sci(g1.get('max_abs_diff_vs_fa3'))} ({sci(bound)})",
+                f"{sci(g1.get('max_abs_diff_moira_vs_fp32'))} / "
+                f"{sci(g1.get('max_abs_diff_fa3_vs_fp32'))}", fmt(bitwise),
                 sel_txt or "–", fmt(max(steps)) if steps else "–",
             ])  # fmt: skip
     return table(header, rows)
