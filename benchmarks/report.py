@@ -43,7 +43,7 @@ ACC_GAMMAS = {"gamma": [None, 0.98, 0.99]}
 
 MANIFEST: list[dict] = [
     {
-        "title": "TPOT, real weights and text",
+        "title": "TPOT",
         "kind": "tpot",
         "intro": (
             f"Time per output token of a whole decode step in vLLM (full CUDA graphs, median "
@@ -152,7 +152,7 @@ MANIFEST: list[dict] = [
         ],
     },  # fmt: skip
     {
-        "title": "Accuracy in vLLM",
+        "title": "Accuracy",
         "kind": "accuracy",
         "intro": (
             "Cells: dense's score, and for Moira Δ points @ reads. RULER-style tasks (needle "
@@ -204,7 +204,7 @@ MANIFEST: list[dict] = [
         ],
     },  # fmt: skip
     {
-        "title": "Estimator study (float32 reference, CPU)",
+        "title": "Estimator study",
         "kind": "estimator",
         "intro": (
             "Select's lists from each estimator against the oracle (exact page masses) on "
@@ -264,7 +264,7 @@ MANIFEST: list[dict] = [
             "`--kv-cache-dtype fp8` (e4m3): Moira against dense FA3 on the same fp8 cache and, "
             "in brackets, against dense on a bf16 cache. Llama-3.1-8B, dummy weights, fixed "
             "page counts. Accuracy on fp8 caches: "
-            "[below](#accuracy-in-vllm-fp8-kv-cache)."
+            "[below](#accuracy-fp8-kv-cache)."
         ),
         "records": [
             {
@@ -282,9 +282,9 @@ MANIFEST: list[dict] = [
         ],
     },  # fmt: skip
     {
-        "title": "Accuracy in vLLM, fp8 KV cache",
+        "title": "Accuracy, fp8 KV cache",
         "kind": "accuracy",
-        "intro": "As in [Accuracy in vLLM](#accuracy-in-vllm), all arms on an fp8 (e4m3) cache.",
+        "intro": "As in [Accuracy](#accuracy), all arms on an fp8 (e4m3) cache.",
         "records": [
             {
                 "path": "accuracy/accuracy_qwen_vllm_fp8_h200.json",
