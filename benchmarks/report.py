@@ -155,13 +155,11 @@ MANIFEST: list[dict] = [
         "title": "Accuracy",
         "kind": "accuracy",
         "intro": (
-            "Cells: dense's score, and for Moira Δ points @ reads. RULER-style tasks (needle "
-            "variants, variable tracking, common words) on three "
-            "haystacks, greedy, scored against the reference answers; Δ is Moira's score "
-            "minus dense FA3's on the same prompts, in points; reads is the fraction of pages "
-            "Select kept. `fixed…@reads(0.98)` is the fixed-count selector at the reads of "
-            "γ 0.98. A label names the arm's estimator, summary dtype (`int4:`) and refinement "
-            "(`+wide`) where they differ from the configuration named above its table."
+            "RULER-style tasks (needle variants, variable tracking, common words), 20 "
+            "documents per task and context, greedy, scored against the reference answers "
+            "(0–100). Cells: dense's score; for Moira, Δ points against the dense row of its "
+            "own record @ the fraction of pages Select kept. The fixed-count rows read what "
+            "γ 0.98 read on the same documents. Method: [accuracy.md](accuracy.md)."
         ),
         "records": [
             {
@@ -631,44 +629,54 @@ def render_serving(section: dict, loaded: list) -> list[str]:
     return table(header, rows)
 
 
-def accuracy_label(r: dict) -> str:
-    if r.get("label"):
-        return r["label"]
-    return "dense" if r["arm"] == "dense" else f"{r['arm']}@{r.get('gamma')}"
-
-
-def accuracy_table(entry: dict, data: dict) -> list[str]:
-    rows = [r for r in data.get("rows", []) if r.get("task") == "all"
-            and r.get("haystack") is None and keep(r, entry.get("filter"))]  # fmt: skip
-    contexts = sorted({r["context"] for r in rows})
-    labels: list[str] = []
-    cell: dict = {}
-    for r in rows:
-        lab = accuracy_label(r)
-        if lab not in labels:
-            labels.append(lab)
-        if r["arm"] == "dense":
-            text = f"{r['score']:.1f}"
-        else:
-            text = f"{r['diff_vs_dense']:+.1f}"
-            if r.get("reads") is not None:
-                text += f" @ {r['reads']:.2f}"
-        cell[(lab, r["context"])] = text
-    header = ["arm", *(f"{c // 1024}k" for c in contexts)]
-    body = [[f"`{lab}`", *(cell.get((lab, c), "–") for c in contexts)] for lab in labels]
-    return table(header, body)
+def accuracy_config(r: dict, defaults: dict | None) -> str:
+    """One accuracy arm's configuration: its estimator field (``[int4:]name[+wide]``) where the
+    record has one, else the manifest's; then its selector."""
+    if r["arm"] == "dense":
+        return "dense (`FLASH_ATTN`)"
+    cfg = dict(defaults or {})
+    est = r.get("estimator")
+    if est:
+        name, _, refine = est.partition("+")
+        dtype, _, name = name.rpartition(":")
+        cfg.update(estimator=name, refine=refine or "off")
+        if dtype:
+            cfg["summary_dtype"] = dtype
+    if r["arm"] == "moira":
+        sel = {"selector": "coverage", "gamma": r.get("gamma")}
+    else:  # fixed_k: the fixed-count selector at the reads of γ 0.98 on the same documents
+        sel = {"selector": "fixed at γ 0.98's reads"}
+    return config_text(sel, cfg)
 
 
 def render_accuracy(section: dict, loaded: list) -> list[str]:
-    lines: list[str] = []
+    """One table per (model, KV cache dtype): a row per arm and record, a column per context."""
+    groups: dict = {}
     for entry, data, _ in loaded:
         model = entry.get("model") or data.get("model") or NOT_RECORDED
-        kv = data.get("kv_cache_dtype", "auto")
+        groups.setdefault((model, data.get("kv_cache_dtype", "auto")), []).append((entry, data))
+    lines: list[str] = []
+    for (model, kv), members in groups.items():
+        rows = [(e, r) for e, d in members for r in d.get("rows", [])
+                if r.get("task") == "all" and r.get("haystack") is None
+                and keep(r, e.get("filter"))]  # fmt: skip
+        contexts = sorted({r["context"] for _, r in rows})
+        keys: list = []
+        cell: dict = {}
+        for e, r in rows:
+            key = (e["path"], accuracy_config(r, e.get("config")))
+            if key not in keys:
+                keys.append(key)
+            text = f"{r['score']:.1f}" if r["arm"] == "dense" else f"{r['diff_vs_dense']:+.1f}"
+            if r["arm"] != "dense" and r.get("reads") is not None:
+                text += f" @ {r['reads']:.2f}"
+            cell[(key, r["context"])] = text
         lines += [""] if lines else []
-        lines += [f"**{model}**, KV cache {'bf16' if kv == 'auto' else kv}; "
-                  f"configuration: {config_text({}, entry.get('config'))} "
-                  f"(`{entry['path']}`)", ""]  # fmt: skip
-        lines += accuracy_table(entry, data)
+        lines += [f"**{model}**, KV cache {'bf16' if kv == 'auto' else kv}:", ""]
+        header = ["configuration", *(f"{c // 1024}k" for c in contexts), "record"]
+        body = [[cfg, *(cell.get(((p, cfg), c), "–") for c in contexts), f"`{p}`"]
+                for p, cfg in keys]  # fmt: skip
+        lines += table(header, body)
     return lines
 
 

@@ -116,11 +116,14 @@ def test_accuracy_table(tmp_path):
             row("moira[mvar_top8]@0.99", "moira", 4096, 70.5, 0.5, 0.68),
             {**row("dense", "dense", 4096, 1.0, 0.0, None), "haystack": "essays"},
             {**row("dense", "dense", 4096, 1.0, 0.0, None), "task": "niah_single"}]  # fmt: skip
+    rows[1]["estimator"] = "int4:mvar_top8+wide"
     (tmp_path / "a.json").write_text(json.dumps({"model": "Q", "rows": rows}))
-    page = report.render([_section("accuracy", [{"path": "a.json"}])], results=tmp_path)
-    assert "| `dense` | 70.0 |" in page
-    assert "| `moira[mvar_top8]@0.99` | +0.5 @ 0.68 |" in page
-    assert page.count("| `dense` |") == 1  # per-task and per-haystack rows are not shown
+    entry = {"path": "a.json", "config": {"estimator": "mvar", "summary_dtype": "int8"}}
+    page = report.render([_section("accuracy", [entry])], results=tmp_path)
+    assert "| dense (`FLASH_ATTN`) | 70.0 | `a.json` |" in page
+    # the row's estimator field wins over the record's configuration
+    assert "| mvar_top8, int4, refine wide, coverage γ 0.99 | +0.5 @ 0.68 | `a.json` |" in page
+    assert page.count("| dense (`FLASH_ATTN`) |") == 1  # per-task and per-haystack rows hidden
 
 
 def test_serving_table(tmp_path):
