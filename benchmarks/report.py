@@ -12,7 +12,7 @@ Each record entry: ``path`` (relative to benchmarks/results/), and where the rec
 not say them: ``commit`` (the tree it ran on), ``device``, ``command``; ``config`` (the Moira
 configuration of the rows that do not name it: estimator, summary dtype, refinement, ...);
 ``model`` (a display name where the record has a folder name); ``filter`` (row field -> the
-values to keep); ``optional`` (a record still to be added: a warning, not an error, while it
+values to keep); ``note`` (how the run differs from the section's method); ``optional`` (a record still to be added: a warning, not an error, while it
 is missing). The commit is taken from the record, else from ``<record stem>.run.json`` or
 ``run.json`` beside it (benchmarks/run_gpu.sh writes one), else from the manifest, else
 "not recorded"; the same for the command (record, manifest) and the device (record's
@@ -323,7 +323,12 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {"path": "correctness/correctness_h200.json", "commit": "241bf03"},
-            {"path": "fp8/correctness_fp8_h200.json", "commit": "0c09116"},
+            {
+                "path": "fp8/correctness_fp8_h200.json",
+                "commit": "0c09116",
+                "note": "On an fp8 cache the bf16-ulp bound does not apply; the reference is "
+                "FA3's own error against float32 (the next column)",
+            },
         ],
     },  # fmt: skip
     {
@@ -390,6 +395,8 @@ MANIFEST: list[dict] = [
             {
                 "path": "kernel_timing/estimate_select_refine_timing_h100.json",
                 "commit": "5cab70d",
+                "note": "Queries scaled ×3 (`--query-scale 3`) so that the refinement finds "
+                "wide pages",
                 "filter": {"summary_dtype": ["int8"]},
             },
         ],
@@ -546,6 +553,8 @@ def provenance(entry: dict, m: dict) -> list[str]:
     if m["sources"]:
         lead = "; its inputs: " if m.get("merged", True) else "; then: "
         lines[-1] += lead + "; ".join(f"`{c}`" for c in m["sources"])
+    if entry.get("note"):
+        lines[-1] += f". {entry['note']}"
     if m.get("copy_tbps"):
         lines[-1] += f"; device copy rate in the same run {m['copy_tbps']:.2f} TB/s"
     return lines
