@@ -12,11 +12,11 @@ Each record entry: ``path`` (relative to benchmarks/results/), and where the rec
 not say them: ``commit`` (the tree it ran on), ``device``, ``command``; ``config`` (the Moira
 configuration of the rows that do not name it: estimator, summary dtype, refinement, ...);
 ``model`` (a display name where the record has a folder name); ``filter`` (row field -> the
-values to keep); ``note`` (how the run differs from the section's method); ``optional`` (a record still to be added: a warning, not an error, while it
-is missing). The commit is taken from the record, else from ``<record stem>.run.json`` or
-``run.json`` beside it (benchmarks/run_gpu.sh writes one), else from the manifest, else
-"not recorded"; the same for the command (record, manifest) and the device (record's
-``gpu``, manifest).
+values to keep); ``note`` (how the run differs from the section's method); ``optional`` (a
+record still to be added: a warning, not an error, while it is missing). The commit is taken
+from the record, else from ``<record stem>.run.json`` or ``run.json`` beside it
+(benchmarks/run_gpu.sh writes one), else from the manifest, else "not recorded"; the same for
+the command (record, manifest) and the device (record's ``gpu``, manifest).
 """
 
 from __future__ import annotations
