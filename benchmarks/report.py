@@ -91,6 +91,7 @@ MANIFEST: list[dict] = [
                 "config": DEFAULT_OFF,
             },
         ],
+        "figures": ["img/tpot_speedup.png"],
     },  # fmt: skip
     {
         "title": "Batch 1",
