@@ -873,8 +873,9 @@ Current measurements of Moira, one table per benchmark, generated from the commi
 under [`benchmarks/results/`](../benchmarks/results/README.md). Speed is a ratio against dense
 FA3 (vLLM's `FLASH_ATTN` backend) measured in the same run; `reads` is the fraction of KV pages
 Moira read. Each section lists its records with the commit they ran on, the device and the
-command (the host's absolute paths cut to their last part); a field a record does not hold is
-"not recorded". The configuration names are those of [usage.md](usage.md): estimator, summary
+command (the host's absolute paths cut to their last part), taken from the record, a run.json
+beside it or the manifest in `benchmarks/report.py`; what none of them holds is "not
+recorded". The configuration names are those of [usage.md](usage.md): estimator, summary
 dtype, refinement (`refine`), selector (`coverage` at γ, or `fixed` at a page fraction).
 """
 
