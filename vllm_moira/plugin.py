@@ -28,11 +28,27 @@ MOIRA_BACKEND_CLASS = "vllm_moira.v1.attention.backends.moira.MoiraBackend"
 _MOIRA_ENV_NAMES = ("MOIRA", "CUSTOM")
 
 
+def _log_through_vllm() -> None:
+    """vLLM configures its own logger tree only ("vllm"); give this package's
+    loggers (the backend's start-up lines among them) the same handlers and level."""
+    import vllm.logger  # noqa: F401  (configures the "vllm" logger on import)
+
+    vllm_root = logging.getLogger("vllm")
+    ours = logging.getLogger("vllm_moira")
+    if ours.handlers or not vllm_root.handlers:
+        return
+    for handler in vllm_root.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_root.level)
+    ours.propagate = False
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
     if is_patched_build():
         logger.debug("Moira: patched vLLM build, the backend is MOIRA; nothing to register")
         return
+    _log_through_vllm()
     env_backend = os.environ.get("VLLM_ATTENTION_BACKEND", "").strip()
     if env_backend.upper() in _MOIRA_ENV_NAMES:
         # Stock vLLM 0.30 only warns about the variable and picks another
