@@ -10,7 +10,8 @@ frontend, where a ``VLLMValidationError`` becomes an HTTP 400 (or an error from
 to start without it (``moira_mode.plugin_mode_reasons``). On the patched build
 the series delivers ``moira_gamma``, and the guard lets it through.
 
-vLLM runs the V1 model runner when custom logits processors are configured.
+vLLM runs the V1 model runner when custom logits processors are configured
+(unless ``VLLM_USE_V2_MODEL_RUNNER=1``); the validation runs in the frontend either way.
 """
 
 from __future__ import annotations
