@@ -16,6 +16,7 @@ import types
 def main() -> None:
     out: dict = {}
     import vllm
+
     import vllm_moira
 
     out["vllm_file"] = vllm.__file__
@@ -78,9 +79,9 @@ def main() -> None:
     padded = cls.customize_spec(spec)
     out["page_bytes"] = [spec.page_size_bytes, padded.page_size_bytes]
     try:
-        cls.customize_spec(FullAttentionSpec(
-            block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
-        ))
+        cls.customize_spec(
+            FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        )
     except ValueError as err:
         out["block_size_refusal"] = str(err)
 

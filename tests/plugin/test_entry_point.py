@@ -4,8 +4,9 @@ callable, and on the patched build (the test venv) it leaves vLLM as it is."""
 from __future__ import annotations
 
 import importlib
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 import torch
+
 from ..attention.backends.moira import MoiraImpl, live_workspaces, verify_page_summaries
 
 

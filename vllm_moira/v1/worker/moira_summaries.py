@@ -237,7 +237,8 @@ def summaries_in_kv_pages(
     page_bytes = kv_cache[0].numel() * element if kv_cache.shape[0] else 0
     # One page is one dense run of bytes (heads, tokens and K/V inside the block
     # dimension); its padding follows it.
-    inner_bytes = element * (1 + sum((kv_cache.shape[d] - 1) * kv_cache.stride(d) for d in (1, 2, 3)))
+    inner = sum((kv_cache.shape[d] - 1) * kv_cache.stride(d) for d in (1, 2, 3))
+    inner_bytes = element * (1 + inner)
     block_stride = kv_cache.stride(0) * element
     extra = summary_page_bytes(shape[1], shape[3], num_slots, summary_dtype)
     if kv_cache.shape[0] == 0 or inner_bytes != page_bytes or block_stride < page_bytes + extra:

@@ -54,6 +54,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
+
 from ...worker.moira_summaries import (
     MOIRA_PAGE_SIZE,
     MOIRA_SUMMARY_DTYPES,
@@ -4163,9 +4164,9 @@ class MoiraImpl(FlashAttentionImpl):
 
         def forget(ref: weakref.ref) -> None:
             impl = impl_ref()
-            if impl is not None and impl._page_summaries is not None:
-                if impl._page_summaries[0] is ref:
-                    impl._page_summaries = None
+            cached = None if impl is None else impl._page_summaries
+            if impl is not None and cached is not None and cached[0] is ref:
+                impl._page_summaries = None
 
         self._page_summaries = (weakref.ref(kv_cache, forget), summaries)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -61,7 +61,7 @@ def _names_request_guard(processor: Any) -> bool:
         return processor.strip() == REQUEST_GUARD
     module, _, qualname = REQUEST_GUARD.partition(":")
     return any(
-        getattr(cls, "__module__", None) == module and getattr(cls, "__qualname__", None) == qualname
+        (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)) == (module, qualname)
         for cls in getattr(processor, "__mro__", ())
     )
 
