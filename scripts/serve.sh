@@ -173,9 +173,10 @@ else
 fi
 
 if [[ "${MODE}" == plugin ]]; then
-    # The request guard refuses per-request moira_gamma (a patched-build feature).
-    PLUGIN_ARGS=(--attention-backend CUSTOM
-        --logits-processors vllm_moira.request_guard:MoiraRequestGuard)
+    # The request guard refuses per-request moira_gamma (a patched-build feature); the
+    # `=` form takes one value, so the list cannot swallow a following argument.
+    PLUGIN_ARGS=(--attention-backend=CUSTOM
+        --logits-processors=vllm_moira.request_guard:MoiraRequestGuard)
     echo "[serve.sh] vllm serve ${MODEL} (plugin mode: ${PLUGIN_ARGS[*]}) $*"
     exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" "${PLUGIN_ARGS[@]}" "$@"
 fi
