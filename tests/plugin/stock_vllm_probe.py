@@ -9,6 +9,7 @@ logits-processor validation. Prints one JSON object on its last line.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 
@@ -106,6 +107,27 @@ def main() -> None:
         )
     except VLLMValidationError as err:
         out["gamma_refusal"] = {"message": str(err), "parameter": err.parameter}
+
+    # The engine configuration as `vllm serve MODEL --attention-backend CUSTOM
+    # --logits-processors GUARD` builds it, and Moira's engine-level checks on it.
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_moira.v1.attention.backends.moira import check_vllm_config_for_moira
+
+    def engine_config(**kwargs):
+        return EngineArgs(
+            model=os.environ["PROBE_TINY_MODEL"], skip_tokenizer_init=True, max_model_len=1024,
+            block_size=64, max_num_seqs=8, attention_backend="CUSTOM", **kwargs,
+        ).create_engine_config()  # fmt: skip
+
+    guarded_config = engine_config(logits_processors=[REQUEST_GUARD])
+    out["engine_backend"] = guarded_config.attention_config.backend.name
+    out["guarded_v2_runner"] = guarded_config.use_v2_model_runner
+    check_vllm_config_for_moira(guarded_config)
+    try:
+        check_vllm_config_for_moira(engine_config())
+    except ValueError as err:
+        out["unguarded_engine_refusal"] = str(err)
     print(json.dumps(out))
 
 

@@ -148,8 +148,11 @@ def _probe(stock_vllm: Path, site: Path, **env_extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def probe(stock_vllm, moira_wheel_site) -> dict:
-    return _probe(stock_vllm, moira_wheel_site)
+def probe(stock_vllm, moira_wheel_site, tmp_path_factory) -> dict:
+    from tests.v1.attention.moira_backend_utils import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return _probe(stock_vllm, moira_wheel_site, PROBE_TINY_MODEL=model)
 
 
 def test_stock_vllm_resolves_custom_to_moira(probe, moira_wheel_site):
@@ -189,6 +192,11 @@ def test_stock_vllm_refuses_what_needs_the_patches(probe):
     refusal = out["gamma_refusal"]
     assert refusal["parameter"] == "moira_gamma"
     assert "patched build" in refusal["message"]
+    # An engine configured as documented passes Moira's checks; without the
+    # guard it is refused, naming the flag.
+    assert out["engine_backend"] == "CUSTOM"
+    assert out["guarded_v2_runner"] is False  # custom logits processors: V1 runner
+    assert "--logits-processors vllm_moira.request_guard" in out["unguarded_engine_refusal"]
 
 
 @pytest.mark.parametrize("value", ["MOIRA", "custom"])
