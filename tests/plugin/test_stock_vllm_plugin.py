@@ -88,6 +88,7 @@ def stock_vllm(tmp_path_factory) -> Path:
     for path in overlay.rglob("*.py"):
         if path.name != "__init__.py":
             (stock / "v1" / path.relative_to(overlay)).unlink(missing_ok=True)
+    shutil.rmtree(stock / ".moira-build", ignore_errors=True)  # build.sh's record
     registry = (stock / "v1" / "attention" / "backends" / "registry.py").read_text()
     assert "MOIRA" not in registry
     assert not (stock / "v1" / "attention" / "backends" / "moira.py").exists()
