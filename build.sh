@@ -13,8 +13,9 @@ Usage: bash build.sh [OPTIONS]
 Turn a stock vLLM ${VLLM_VERSION} into the Moira build (idempotent):
   1. find the installed vllm package (never imports it),
   2. apply patches/series in order (already-applied patches are skipped),
-  3. copy the vllm_moira/ overlay into the vllm package tree
-     (vllm_moira/v1/x.py -> <site>/vllm/v1/x.py; existing __init__.py files are kept).
+  3. copy the vllm_moira/v1/ overlay into the vllm package tree
+     (vllm_moira/v1/x.py -> <site>/vllm/v1/x.py; existing __init__.py files are kept;
+     the package's top-level modules, e.g. the plugin entry point, are not copied).
 
 Environment selection (default: project venv):
   (default)               use the venv \$MOIRA_VENV (default: ${ROOT}/.venv); create it
@@ -488,7 +489,9 @@ install_overlay() {
     }
     while IFS= read -r -d '' f; do
         rel="${f#"${src}"/}"
-        [[ "${rel}" == "__init__.py" ]] && continue
+        # Only v1/ mirrors vLLM's tree; the package's own top-level modules (the
+        # plugin entry point) are not vLLM files.
+        [[ "${rel}" == v1/* ]] || continue
         dest="${VLLM_DIR}/${rel}"
         if [[ "$(basename "${rel}")" == "__init__.py" && -e "${dest}" ]]; then
             N_KEPT=$((N_KEPT + 1))
@@ -510,7 +513,7 @@ verify_overlay() {
     [[ -d "${src}" ]] || return 0
     while IFS= read -r -d '' f; do
         rel="${f#"${src}"/}"
-        [[ "${rel}" == "__init__.py" || "$(basename "${rel}")" == "__init__.py" ]] && continue
+        [[ "${rel}" == v1/* && "$(basename "${rel}")" != "__init__.py" ]] || continue
         dest="${VLLM_DIR}/${rel}"
         if ! cmp -s "${f}" "${dest}"; then
             printf '[build.sh] verify: vllm/%s differs from the overlay\n' "${rel}" >&2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build Moira into vLLM 0.30.0 and serve a model with the MOIRA backend (Hopper GPU).
+# Install Moira into vLLM 0.30.0 and serve a model with it (Hopper GPU).
 #
 #   bash scripts/serve.sh [MODEL_DIR_OR_ID] [extra 'vllm serve' args...]
 #   bash scripts/serve.sh --check     validate the MOIRA_* environment and print the
@@ -8,9 +8,16 @@
 #
 # Without a model, SmolLM2-135M-Instruct is prepared offline into .cache/models/ by
 # scripts/prepare_model.py and served. Serving needs an NVIDIA Hopper GPU (sm_90); this is
-# checked first, before anything is installed. Environment:
-#   MOIRA_BUILD_ARGS  arguments for build.sh (default: --use-active-env when python3 already
-#                     sees vLLM 0.30.0, e.g. the H200 PYTHONPATH bundle; else the .venv)
+# checked first, before anything is installed. Which installation serves:
+#   - python3 sees the stock vLLM 0.30.0 (no MOIRA in its backend enum): plugin mode.
+#     This package is pip-installed into that environment (--no-deps; vLLM is not
+#     touched) and vllm serve runs with --attention-backend CUSTOM and the request guard;
+#   - python3 sees a patched vLLM 0.30.0: build.sh --use-active-env refreshes it and the
+#     MOIRA backend serves;
+#   - no vLLM 0.30.0 in python3: build.sh makes the patched build in .venv.
+# Environment:
+#   MOIRA_BUILD_ARGS  arguments for build.sh; setting it always serves the patched build
+#                     (e.g. MOIRA_BUILD_ARGS=--use-active-env patches a stock python3)
 #   MOIRA_VENV        venv used in .venv mode (default .venv)
 #   MOIRA_SKIP_GPU_CHECK=1  skip the Hopper check (e.g. a container without nvidia-smi
 #                     and without torch in its python3)
@@ -28,6 +35,16 @@ if spec is None or not spec.origin:
     sys.exit(1)
 text = open(os.path.join(os.path.dirname(spec.origin), "_version.py")).read()
 sys.exit(0 if re.search(r"__version__ = version = '0\.30\.0'", text) else 1)
+PYEOF
+}
+
+# The active vLLM's backend enum has MOIRA (patch 0001), read without importing vLLM.
+active_vllm_is_patched() {
+    python3 - <<'PYEOF' 2>/dev/null
+import importlib.util, os, sys
+spec = importlib.util.find_spec("vllm")
+registry = os.path.join(os.path.dirname(spec.origin), "v1", "attention", "backends", "registry.py")
+sys.exit(0 if "\n    MOIRA = " in open(registry).read() else 1)
 PYEOF
 }
 
@@ -83,13 +100,7 @@ check_config() {
             exit 2
         fi
     fi
-    # The backend imports the overlay's worker modules from the vllm package: bring the
-    # build up to date first (idempotent; seconds when nothing changed).
-    if ! bash build.sh --python "${py}" >"${TMPDIR:-/tmp}/moira-serve-check-build.log" 2>&1; then
-        tail -20 "${TMPDIR:-/tmp}/moira-serve-check-build.log" >&2
-        echo "[serve.sh] --check: build.sh failed (log above)" >&2
-        exit 2
-    fi
+    # The checkout's vllm_moira imports on stock and patched vLLM alike: nothing to build.
     env VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 \
         PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}" "${py}" - <<'PYEOF'
 import dataclasses
@@ -124,16 +135,30 @@ if [[ "${MOIRA_SKIP_GPU_CHECK:-0}" != 1 ]]; then
     require_hopper
 fi
 
+MODE=patched
 if [[ -z "${MOIRA_BUILD_ARGS+x}" ]]; then
-    if active_has_vllm; then MOIRA_BUILD_ARGS="--use-active-env"; else MOIRA_BUILD_ARGS=""; fi
+    if active_has_vllm; then
+        if active_vllm_is_patched; then MOIRA_BUILD_ARGS="--use-active-env"; else MODE=plugin; fi
+    else
+        MOIRA_BUILD_ARGS=""
+    fi
 fi
-# shellcheck disable=SC2086  # word splitting of the argument list is intended
-bash build.sh ${MOIRA_BUILD_ARGS}
 
-if [[ "${MOIRA_BUILD_ARGS}" == *--use-active-env* ]]; then
+if [[ "${MODE}" == plugin ]]; then
     PY="python3"
+    echo "[serve.sh] stock vLLM 0.30.0 in python3: installing Moira as a plugin (pip, --no-deps)"
+    # Without build isolation when setuptools is there (offline hosts); else pip's default.
+    if ! "${PY}" -m pip install -q --no-deps --force-reinstall --no-build-isolation "${ROOT}"; then
+        "${PY}" -m pip install -q --no-deps --force-reinstall "${ROOT}"
+    fi
 else
-    PY=$(venv_python)
+    # shellcheck disable=SC2086  # word splitting of the argument list is intended
+    bash build.sh ${MOIRA_BUILD_ARGS}
+    if [[ "${MOIRA_BUILD_ARGS}" == *--use-active-env* ]]; then
+        PY="python3"
+    else
+        PY=$(venv_python)
+    fi
 fi
 
 if [[ $# -ge 1 && "$1" != -* ]]; then
@@ -147,6 +172,14 @@ else
     fi
 fi
 
+if [[ "${MODE}" == plugin ]]; then
+    # The request guard refuses per-request moira_gamma (a patched-build feature); the
+    # `=` form takes one value, so the list cannot swallow a following argument.
+    PLUGIN_ARGS=(--attention-backend=CUSTOM
+        --logits-processors=vllm_moira.request_guard:MoiraRequestGuard)
+    echo "[serve.sh] vllm serve ${MODEL} (plugin mode: ${PLUGIN_ARGS[*]}) $*"
+    exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" "${PLUGIN_ARGS[@]}" "$@"
+fi
 export VLLM_ATTENTION_BACKEND=MOIRA
 echo "[serve.sh] vllm serve ${MODEL} (VLLM_ATTENTION_BACKEND=MOIRA) $*"
 exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" "$@"

@@ -220,9 +220,14 @@ def overlay_files() -> list[str]:
     for p in sorted(base.rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
             rel = str(p.relative_to(base))
-            if rel != "__init__.py":
+            if rel.startswith("v1/"):
                 out.append(rel)
     return out
+
+
+def top_level_modules() -> list[str]:
+    """The package's own modules (plugin entry point...), never copied into vLLM."""
+    return sorted(p.name for p in (ROOT / "vllm_moira").glob("*.py"))
 
 
 def _assert_overlay_installed(target: Path):
@@ -232,6 +237,9 @@ def _assert_overlay_installed(target: Path):
         if Path(rel).name != "__init__.py":
             assert dest.read_bytes() == (ROOT / "vllm_moira" / rel).read_bytes(), rel
     assert not (target / "vllm_moira").exists()
+    for name in top_level_modules():
+        if name != "__init__.py":
+            assert not (target / name).exists(), f"top-level module {name} copied into vllm/"
 
 
 def test_build_current_series_twice_is_idempotent(fake_site: Path):

@@ -15,7 +15,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from vllm.v1.attention.backends.moira import MoiraImpl, live_workspaces, verify_page_summaries
+
+from ..attention.backends.moira import MoiraImpl, live_workspaces, verify_page_summaries
 
 
 def set_selector(_worker: object, **changes: Any) -> int:

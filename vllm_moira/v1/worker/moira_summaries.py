@@ -24,11 +24,18 @@ has that many more rows. Layers that share a KV view (cross-layer KV sharing)
 get the same summary buffer: the registry is keyed on the view's device,
 ``data_ptr()`` and geometry.
 
+On stock vLLM (Moira as a plugin, no extras hook) the summaries are stored in
+the KV pages instead: ``summary_padded_spec`` pads each page and
+``summaries_in_kv_pages`` views the padding (below).
+
 The storage of a summary (page size, dtypes) is defined here; the backend
 imports it, and this module imports nothing of the backend.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 
@@ -166,3 +173,80 @@ def summary_bytes_for_kv_bytes(
     dtype, rows = summary_storage(num_slots, summary_dtype)
     page_bytes = 2 * MOIRA_PAGE_SIZE * kv_element_bytes  # per element of D: 64 keys, 64 values
     return -(-kv_cache_bytes * rows * dtype.itemsize // page_bytes)
+
+
+# --------------------------------------------------------------------------
+# Summaries inside the KV pages (stock vLLM: no extras hook)
+# --------------------------------------------------------------------------
+# Without the extras hook, the summaries live in the KV cache itself: the
+# backend's customize_spec() pads every page (one layer's 64 tokens of every
+# KV head) by the bytes of its summaries, and the summary of kernel block b is
+# read from the padding that follows block b's K/V. vLLM then budgets them
+# with the KV cache, allocates and frees them with it (profiling teardown,
+# sleep mode), and a block reused through prefix caching keeps its summary.
+# vLLM cannot split a padded page into kernel blocks, so the block size is
+# exactly the page size there.
+
+
+def summary_page_bytes(
+    num_kv_heads: int, head_size: int, num_slots: int = 2, summary_dtype: str = "bfloat16"
+) -> int:
+    """Bytes of one page's summaries, all KV heads: ``H_kv * rows * D`` elements."""
+    dtype, rows = summary_storage(num_slots, summary_dtype)
+    return num_kv_heads * rows * head_size * dtype.itemsize
+
+
+def summary_padded_spec(spec: Any, num_slots: int = 2, summary_dtype: str = "bfloat16") -> Any:
+    """``spec`` (vLLM's ``AttentionSpec``) with each page padded by its summaries."""
+    if spec.block_size != MOIRA_PAGE_SIZE:
+        raise ValueError(
+            f"MOIRA on stock vLLM (plugin mode) needs --block-size {MOIRA_PAGE_SIZE}, got "
+            f"block_size={spec.block_size}: the page summaries are stored in each KV page's "
+            "padding, and vLLM does not split padded pages into kernel blocks (the patched "
+            f"build accepts multiples of {MOIRA_PAGE_SIZE})"
+        )
+    if spec.page_size_padded is not None or spec.state_content_bytes is not None:
+        raise ValueError(
+            "MOIRA on stock vLLM (plugin mode) stores the page summaries in the KV page "
+            "padding, but this layer's KV spec is already packed or padded "
+            f"(page_size_padded={spec.page_size_padded}, "
+            f"state_content_bytes={spec.state_content_bytes})"
+        )
+    if spec.head_size_v != spec.head_size:
+        raise ValueError(
+            f"MOIRA needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}"
+        )
+    extra = summary_page_bytes(spec.num_kv_heads, spec.head_size, num_slots, summary_dtype)
+    return dataclasses.replace(spec, page_size_padded=spec.unpadded_page_size_bytes + extra)
+
+
+def summaries_in_kv_pages(
+    kv_cache: torch.Tensor, num_slots: int = 2, summary_dtype: str = "bfloat16"
+) -> torch.Tensor | None:
+    """The summaries stored after each page of a padded KV view, as a
+    ``[num_blocks, H_kv, rows, D]`` view of the cache's memory (strided: one
+    page apart), or None when the view's pages have no room for them (a cache
+    that ``summary_padded_spec`` did not lay out, e.g. a contiguous one).
+
+    The kernels take the block and head strides of the summaries, so they read
+    and write this view as they do a separate buffer. The view owns no memory.
+    """
+    shape = summary_shape(kv_cache, num_slots, summary_dtype)
+    dtype, _ = summary_storage(num_slots, summary_dtype)
+    element = kv_cache.element_size()
+    page_bytes = kv_cache[0].numel() * element if kv_cache.shape[0] else 0
+    # One page is one dense run of bytes (heads, tokens and K/V inside the block
+    # dimension); its padding follows it.
+    inner = sum((kv_cache.shape[d] - 1) * kv_cache.stride(d) for d in (1, 2, 3))
+    inner_bytes = element * (1 + inner)
+    block_stride = kv_cache.stride(0) * element
+    extra = summary_page_bytes(shape[1], shape[3], num_slots, summary_dtype)
+    if kv_cache.shape[0] == 0 or inner_bytes != page_bytes or block_stride < page_bytes + extra:
+        return None
+    kv_bytes = kv_cache.view(torch.uint8)
+    start = kv_bytes.storage_offset() + page_bytes
+    end = start + (shape[0] - 1) * block_stride + extra
+    if end > kv_bytes.untyped_storage().nbytes() or start % dtype.itemsize:
+        return None
+    flat = torch.as_strided(kv_bytes, (shape[0], extra), (block_stride, 1), start)
+    return flat.view(dtype).unflatten(1, shape[1:])

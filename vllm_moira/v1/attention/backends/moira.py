@@ -54,17 +54,21 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
-from vllm.v1.worker.moira_summaries import (
+
+from ...worker.moira_summaries import (
     MOIRA_PAGE_SIZE,
     MOIRA_SUMMARY_DTYPES,
     acquire_summaries,
     release_summaries,
+    summaries_in_kv_pages,
     summary_bytes_for_kv_bytes,
     summary_key,
+    summary_padded_spec,
 )
-from vllm.v1.worker.moira_summaries import (
+from ...worker.moira_summaries import (
     summary_storage as summary_storage,  # re-exported: the kernel API names it
 )
+from .moira_mode import backend_enum_name, has_kv_cache_extras_hook, plugin_mode_reasons
 
 try:  # Hopper grid dependency control (Triton >= 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -857,7 +861,10 @@ def write_page_summaries(
             f"Moira: summaries must have {sorted(set(map(summary_slots, MOIRA_ESTIMATORS)))} "
             f"slots (int8: plus one row of scales), got shape {tuple(summaries.shape)}"
         )
-    assert kv_cache.stride(-1) == 1 and summaries.is_contiguous()
+    # Rows of D contiguous elements; blocks and heads at any stride (the
+    # kernel takes them), e.g. summaries stored in the KV pages' padding.
+    assert kv_cache.stride(-1) == 1 and summaries.stride(3) == 1
+    assert summaries.stride(2) == summaries.shape[3]
     kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
     window_tokens = WRITER_LAUNCH["window_tokens"]
     if window_tokens & (window_tokens - 1) or not 1 <= window_tokens <= 1024:
@@ -3381,6 +3388,8 @@ def _unsupported_vllm_config_reasons(vllm_config: VllmConfig) -> list[str]:
                 "hybrid (Mamba/linear-attention) models are not supported by "
                 "MOIRA; only full-attention decoder models are supported"
             )
+    # Stock vLLM (plugin mode): features that need the patch series.
+    reasons.extend(plugin_mode_reasons(vllm_config))
     return reasons
 
 
@@ -3566,7 +3575,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             self.moira_config,
             device,
         )
-        from vllm.v1.worker.moira_metrics import ReadStatsPoller
+        from ...worker.moira_metrics import ReadStatsPoller
 
         # Page-read fraction for logs and /metrics, polled without a host sync.
         self.read_stats_poller = ReadStatsPoller(self.workspace.read_stats)
@@ -3702,7 +3711,18 @@ class MoiraBackend(FlashAttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "MOIRA"
+        # The enum member the class is selected through: MOIRA on the patched
+        # build, vLLM's plugin slot CUSTOM on the stock wheel.
+        return backend_enum_name()
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        # Without the extras hook (stock vLLM), each KV page carries its
+        # summaries in padding that vLLM's planner budgets with the cache.
+        if has_kv_cache_extras_hook():
+            return spec
+        config = moira_config_from_env()
+        return summary_padded_spec(spec, config.summary_slots, config.summary_dtype)
 
     @staticmethod
     def get_impl_cls() -> type[MoiraImpl]:
@@ -4012,6 +4032,8 @@ class MoiraImpl(FlashAttentionImpl):
             self._fa3_query_quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
         self._summaries: torch.Tensor | None = None
         self._summaries_key: tuple | None = None
+        # (weak reference to the KV view, its in-page summaries): stock vLLM.
+        self._page_summaries: tuple[weakref.ref, torch.Tensor] | None = None
 
     def _moira_kv(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple[Any, ...]:
         """(cache view, K scale, V scale) as the Moira kernels read them: the
@@ -4092,15 +4114,22 @@ class MoiraImpl(FlashAttentionImpl):
     def _get_summaries(
         self, kv_cache: torch.Tensor, k_scale: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Summaries for this KV view. Normally bound by the worker hook, before
-        anything is written to the cache. Acquired here instead (a vLLM without
-        patch 0003, or a caller that drives the impl directly, as vLLM's backend
-        tests do), the cache may already hold pages written behind the backend's
-        back: their summaries are rebuilt from the keys (an fp8 cache: with the
-        layer's ``k_scale``)."""
+        """Summaries for this KV view. On the patched build, bound by the worker
+        hook before anything is written to the cache. On stock vLLM, stored in
+        the padding of the KV pages (``customize_spec``). Acquired here instead
+        (a caller that drives the impl directly, as vLLM's backend tests do), the
+        cache may already hold pages written behind the backend's back: their
+        summaries are rebuilt from the keys (an fp8 cache: with the layer's
+        ``k_scale``)."""
+        if self._page_summaries is not None and self._page_summaries[0]() is kv_cache:
+            return self._page_summaries[1]
         key = summary_key(kv_cache)
         if self._summaries is not None and self._summaries_key == key:
             return self._summaries
+        if not has_kv_cache_extras_hook():
+            in_pages = self._bind_page_summaries(kv_cache, k_scale)
+            if in_pages is not None:
+                return in_pages
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "MOIRA: page summaries were not allocated before CUDA-graph "
@@ -4117,6 +4146,36 @@ class MoiraImpl(FlashAttentionImpl):
             moira_kv = kv_cache.view(torch.float8_e4m3fn) if self.kv_cache_fp8 else kv_cache
             rebuild_page_summaries(moira_kv, self._summaries, k_scale)
         return self._summaries
+
+    def _bind_page_summaries(
+        self, kv_cache: torch.Tensor, k_scale: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The summaries in this padded KV view's pages (None: no room there).
+
+        Cached per view object; a weak reference drops the cached view when
+        vLLM drops the cache (profiling teardown), so the view never keeps a
+        freed cache's memory alive."""
+        summaries = summaries_in_kv_pages(
+            kv_cache, self.moira_config.summary_slots, self.moira_config.summary_dtype
+        )
+        if summaries is None:
+            return None
+        impl_ref = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            impl = impl_ref()
+            cached = None if impl is None else impl._page_summaries
+            if impl is not None and cached is not None and cached[0] is ref:
+                impl._page_summaries = None
+
+        self._page_summaries = (weakref.ref(kv_cache, forget), summaries)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self.kv_sharing_target_layer_name is None and not capturing:
+            # Compile the writer before the first request's prefill (no hook
+            # runs at bind time here; warm-up steps come before capture).
+            moira_kv = kv_cache.view(torch.float8_e4m3fn) if self.kv_cache_fp8 else kv_cache
+            warm_up_summary_writer(moira_kv, summaries, k_scale)
+        return summaries
 
     # ---- forward -------------------------------------------------------------
     # The KV scatter is FlashAttentionImpl.do_kv_cache_update, unchanged: the
