@@ -128,6 +128,25 @@ def main() -> None:
         check_vllm_config_for_moira(engine_config())
     except ValueError as err:
         out["unguarded_engine_refusal"] = str(err)
+
+    # A mixed step's prefill rows on stock metadata, which has no per-request
+    # extras field (patch 0005 adds it).
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_moira.v1.attention.backends.moira import slice_prefill_common_metadata
+
+    qsl = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+    seq = torch.tensor([70, 130, 5], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl.clone(), seq_lens=seq.clone(),
+        num_reqs=3, num_actual_tokens=7, max_query_len=5, max_seq_len=130,
+        block_table_tensor=torch.zeros(3, 4, dtype=torch.int32),
+        slot_mapping=torch.arange(7, dtype=torch.int64), seq_lens_cpu_upper_bound=seq.clone(),
+        is_prefilling=torch.tensor([False, False, True]),
+    )  # fmt: skip
+    out["stock_metadata_has_extras"] = hasattr(cam, "attn_request_extras")
+    sliced = slice_prefill_common_metadata(cam, 2, 2)
+    out["sliced_prefill"] = [sliced.num_reqs, sliced.num_actual_tokens, sliced.seq_lens.tolist()]
     print(json.dumps(out))
 
 

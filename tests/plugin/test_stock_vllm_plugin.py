@@ -99,6 +99,13 @@ def test_stock_vllm_resolves_custom_to_moira(probe, moira_wheel_site):
     assert "head_size=96 is not supported by MOIRA" in out["selector_refusal"]
 
 
+def test_stock_vllm_metadata_without_request_extras(probe):
+    # Stock metadata has no per-request extras; a mixed step's prefill rows
+    # are sliced from it all the same.
+    assert probe["stock_metadata_has_extras"] is False
+    assert probe["sliced_prefill"] == [1, 5, [5]]
+
+
 def test_stock_vllm_pads_pages_for_the_summaries(probe):
     out = probe
     plain, padded = out["page_bytes"]

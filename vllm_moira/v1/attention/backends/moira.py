@@ -3452,6 +3452,19 @@ class MoiraMetadata:
     dense_step_fills_pages: bool = False
 
 
+def _sliced_request_extras(cam: CommonAttentionMetadata, rows: Any) -> dict[str, Any]:
+    """The prefill rows' per-request extras (patch 0005's field), or nothing on a
+    stock vLLM, whose metadata has no such field."""
+    if not hasattr(cam, "attn_request_extras"):
+        return {}
+    extras = cam.attn_request_extras
+    return {
+        "attn_request_extras": None
+        if extras is None
+        else {key: rows(values) for key, values in extras.items()}
+    }
+
+
 def slice_prefill_common_metadata(
     cam: CommonAttentionMetadata,
     num_decodes: int,
@@ -3498,9 +3511,7 @@ def slice_prefill_common_metadata(
         is_prefilling=rows(cam.is_prefilling),
         positions=None if cam.positions is None else cam.positions[ndt:],
         req_idx=None if cam.req_idx is None else cam.req_idx[nd : cam.num_reqs],
-        attn_request_extras=None
-        if cam.attn_request_extras is None
-        else {key: rows(values) for key, values in cam.attn_request_extras.items()},
+        **_sliced_request_extras(cam, rows),
         logits_indices_padded=None,
         num_logits_indices=None,
         _num_computed_tokens_cache=None,
@@ -3644,7 +3655,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
             # rows. build() runs eagerly every step, before a FULL graph
             # replays, so the copy is never captured; Select reads the buffer
             # inside the graph.
-            extras = cam.attn_request_extras
+            extras = getattr(cam, "attn_request_extras", None)  # patch 0005; absent on stock vLLM
             self.workspace.set_row_gamma(
                 None if extras is None else extras.get(MOIRA_GAMMA_EXTRA_ARG), nd
             )
