@@ -52,7 +52,7 @@ MANIFEST: list[dict] = [
             "same run. Rows marked **default** are the shipped configuration."
         ),
         "records": [
-            {"path": "tpot/tpot_real_h100.json", "optional": True},
+            {"path": "tpot/tpot_real_h100.json", "commit": "4125617", "model": QWEN},
             {
                 "path": "tpot/tpot_qwen_coder_real_h200.json",
                 "commit": "336d422",
@@ -126,6 +126,12 @@ MANIFEST: list[dict] = [
             "whole run, prefill included."
         ),
         "records": [
+            {
+                "path": "serving/serving_real_h100.json",
+                "commit": "4125617",
+                "model": f"{QWEN} (real weights, text of 4k–30k tokens)",
+                "config": DEFAULT_OFF,
+            },
             {
                 "path": "serving/serving_qwen_real_h200.json",
                 "commit": "4c2bea9",
@@ -343,10 +349,11 @@ MANIFEST: list[dict] = [
         "records": [
             {
                 "path": "correctness/pytest_gpu_h100.log",
-                "commit": "8a31bda",
+                "commit": "665df94",
                 "device": H100,
                 "command": "bash benchmarks/run_gpu.sh --out DIR gpu-tests",
             },
+            {"path": "plugin/plugin_gamma1_h100.json"},
             {
                 "path": "fp8/gpu_tests_fp8_h200.log",
                 "commit": "4906468",
@@ -784,6 +791,15 @@ def check_row(entry: dict, data) -> list[str]:
         return ["greedy in vLLM: MOIRA at γ 1 vs FLASH_ATTN; mixed batches and prefix hits",
                 f"γ 1 vs dense: {g_same} / {len(greedy)} prompts identical; MOIRA mixed "
                 f"batch and prefix-cache checks: {same} / {len(checks)} identical"]  # fmt: skip
+    if data.get("check") == "plugin_gamma1_vs_fa3_greedy":  # plugin mode on stock vLLM
+        rows = data.get("rows", [])
+        same = sum(1 for r in rows if r.get("identical"))
+        diverged = ", ".join(str(r["first_divergence"]) for r in rows if not r.get("identical"))
+        tokens = rows[0]["tokens"] if rows else 0
+        return ["plugin mode on stock vLLM 0.30.0 (`CUSTOM`, V1 runner): greedy at γ 1 vs "
+                "FLASH_ATTN, real weights",
+                f"{same} / {len(rows)} prompts identical over {tokens} tokens; the others "
+                f"diverge at token {diverged or '–'}"]  # fmt: skip
     if "per_rank" in data:  # summaries_in_vllm.py
         pages = sum(r.get("pages", 0) for r in data["per_rank"])
         bad = sum(r.get("mismatched", 0) for r in data["per_rank"])
