@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -287,3 +288,19 @@ def test_text_prompts_are_real_windows_from_distinct_documents(tmp_path):
     assert bt.text_window(stream, starts, 3, 40) == w0
     with pytest.raises(ValueError, match="fewer than one 101-token prompt"):
         bt.text_window(stream, starts, 0, 101)
+
+
+def test_rows_of_the_default_engine_at_the_default_gamma_say_default():
+    moira = pytest.importorskip("vllm.v1.attention.backends.moira")
+    default = dataclasses.asdict(moira.MoiraConfig())
+    ctx = {"model": "m", **bt.engine_fields(default)}
+    arm = {"arm": "moira", "selector": "coverage", "gamma": default["gamma"],
+           "fixed_fraction": None}  # fmt: skip
+    row = bt.base_row(ctx, 8192, 32, arm)
+    assert row["config"] == "default"
+    assert (row["estimator"], row["summary_dtype"], row["refine"]) == ("mvar_top8", "int8", "off")
+    # Another γ, or an engine with any other field changed, is not the default.
+    assert "config" not in bt.base_row(ctx, 8192, 32, dict(arm, gamma=0.99))
+    wide = {"model": "m", **bt.engine_fields(dict(default, refine="wide"))}
+    assert "config" not in bt.base_row(wide, 8192, 32, arm)
+    assert bt.base_row(wide, 8192, 32, arm)["refine"] == "wide"
