@@ -3,7 +3,8 @@
 
 Run once with ``--backend CUSTOM`` (stock vLLM 0.30.0 with this package pip-installed:
 the plugin registers Moira as CUSTOM; its request guard is passed as vLLM requires in plugin
-mode) and once with ``--backend FLASH_ATTN``, then ``--compare`` the two outputs::
+mode), once with ``--backend FLASH_ATTN`` and, on the patched build, ``--backend MOIRA``;
+then ``--compare`` each Moira output with the dense one (``run_gpu.sh plugin-check``)::
 
     MOIRA_GAMMA=1 MOIRA_DENSE_BATCH_TOKENS=0 python benchmarks/plugin_greedy_check.py \\
         --backend CUSTOM --model MODEL_DIR --prompts prompts.json.gz --out custom.json
@@ -59,7 +60,7 @@ def compare(moira: list[list[int]], dense: list[list[int]]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", choices=["CUSTOM", "FLASH_ATTN"])
+    ap.add_argument("--backend", choices=["CUSTOM", "MOIRA", "FLASH_ATTN"])
     ap.add_argument("--model")
     ap.add_argument("--prompts")
     ap.add_argument("--num-prompts", type=int, default=4)

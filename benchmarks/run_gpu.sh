@@ -73,6 +73,11 @@ Steps (NAME[:ARG]):
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
                        1,16,32), into serving_real.json
+  plugin-check         plugin mode on stock vLLM: the bundle unpacked again into PREFIX-stock
+                       (no patch), this package pip-installed beside it, then
+                       plugin_greedy_check.py at gamma 1 with CUSTOM (stock), MOIRA
+                       (patched) and FLASH_ATTN on the real model and text, each compared
+                       with FLASH_ATTN, into plugin_gamma1.json and patched_gamma1.json
 
 Options:
   --out DIR            output directory (required; created)
@@ -158,7 +163,7 @@ for step in "${STEPS[@]}"; do
         gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
-        accuracy-suite | tpot-real | serving-real) NEED_REAL_MODEL=1 ;;
+        accuracy-suite | tpot-real | serving-real | plugin-check) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -169,7 +174,7 @@ fi
 # The real-model steps cannot do anything without the model and its text: say so before
 # the install and engine starts spend device time.
 if [[ ${NEED_REAL_MODEL} == 1 && ( ! -f "${ACC_PROMPTS}" || ! -d "${ACC_MODEL}" ) ]]; then
-    echo "run_gpu.sh: accuracy-suite, tpot-real and serving-real need --acc-prompts FILE" \
+    echo "run_gpu.sh: accuracy-suite, tpot-real, serving-real and plugin-check need --acc-prompts FILE" \
         "(${ACC_PROMPTS}) and --acc-model DIR (${ACC_MODEL}); see scripts/prepare_model.py" >&2
     exit 2
 fi
@@ -396,6 +401,30 @@ for step in "${STEPS[@]}"; do
             tpot_engines "tpot_real${SUFFIX}" "moira wide mvar" "--gammas 0.98 --no-fixed" \
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32
+            ;;
+        plugin-check)
+            stock="${PREFIX}-stock"
+            greedy=(python benchmarks/plugin_greedy_check.py --model "${ACC_MODEL}"
+                --prompts "${ACC_PROMPTS}")
+            rm -rf "${stock}"
+            run plugin_install bash -c "bash '${SHARED}/gpu/install_vllm_bundle.sh' \
+                '${BUNDLE}' '${stock}' && python3 -m pip install -q --no-deps \
+                --no-build-isolation --target '${stock}/plugin' ." || continue
+            run plugin_dense "${greedy[@]}" --backend FLASH_ATTN --out "${OUT}/greedy_dense.json"
+            run plugin_patched env MOIRA_GAMMA=1 MOIRA_DENSE_BATCH_TOKENS=0 "${greedy[@]}" \
+                --backend MOIRA --out "${OUT}/greedy_patched.json"
+            # The stock package and the plugin first on the path, in a child shell so that
+            # the patched environment stays for the later steps.
+            run plugin_custom bash -c "source '${stock}/env.sh' && \
+                PYTHONPATH='${stock}/plugin':\"\${PYTHONPATH}\" MOIRA_GAMMA=1 \
+                MOIRA_DENSE_BATCH_TOKENS=0 ${greedy[*]} --backend CUSTOM \
+                --out '${OUT}/greedy_custom.json'"
+            for arm in custom patched; do
+                [[ -f "${OUT}/greedy_${arm}.json" && -f "${OUT}/greedy_dense.json" ]] || continue
+                run "plugin_compare_${arm}" python benchmarks/plugin_greedy_check.py --compare \
+                    "${OUT}/greedy_${arm}.json" "${OUT}/greedy_dense.json" \
+                    --out "${OUT}/$([[ ${arm} == custom ]] && echo plugin || echo patched)_gamma1.json"
+            done
             ;;
         serving-real)
             dataset="${OUT}/serve_text.jsonl"
