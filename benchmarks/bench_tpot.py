@@ -749,9 +749,6 @@ def parse_attend_launch(ap, a) -> dict | None:
 
     if not isinstance(changes, dict) or not set(changes) <= set(moira.ATTEND_LAUNCH):
         ap.error(f"--attend-launch: a JSON object with keys from {sorted(moira.ATTEND_LAUNCH)}")
-    tile = changes.get("tile_pages", moira.ATTEND_LAUNCH["tile_pages"])
-    if tile not in moira.ATTEND_TILE_PAGES:
-        ap.error(f"--attend-launch: tile_pages must be one of {moira.ATTEND_TILE_PAGES}")
     moira.ATTEND_LAUNCH.update(changes)
     return changes
 
@@ -806,7 +803,7 @@ def main() -> int:
         "--attend-launch",
         default=None,
         metavar="JSON",
-        help="MOIRA: ATTEND_LAUNCH changes for this engine, e.g. '{\"tile_pages\": 2}' "
+        help="MOIRA: ATTEND_LAUNCH changes for this engine, e.g. '{\"num_stages\": 4}' "
         "(a candidate of moira_correctness.py --sweep-attend, timed end to end; in-process "
         "engine, so --tensor-parallel-size 1); rows carry it as attend_launch",
     )

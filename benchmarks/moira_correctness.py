@@ -23,7 +23,7 @@ calibration gives them). FA3 runs on the same fp8 cache with its query in e4m3
 (q_scale 1, vLLM's default) and the scales as descales; the float32 reference
 reads the dequantized cache with the bf16 query, as Moira does.
 
-Page-mass estimators (--estimators mvar,mvar_rem,mvar_top4): per
+Page-mass estimators (--estimators mvar,int8:mvar_top8): per
 estimator and shape, summaries written by the kernel writer of that estimator
 (checked against the reference on a few pages), Estimate checked against the
 reference on a few rows and Select's lists against the reference lists, and
@@ -31,7 +31,7 @@ reference on a few rows and Select's lists against the reference lists, and
 
     python benchmarks/moira_correctness.py --json benchmarks/results/correctness_h200.json \
         --timing-json benchmarks/results/kernel_timing_h200.json
-    python benchmarks/moira_correctness.py --estimators mvar,mvar_rem,mvar_top4 \
+    python benchmarks/moira_correctness.py --estimators mvar,int8:mvar_top8 \
         --only-estimators --json benchmarks/results/estimator_kernels_h200.json \
         --timing-json benchmarks/results/estimator_timing_h200.json
     python benchmarks/moira_correctness.py --kv-cache-dtype fp8 \
@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllm.v1.attention.backends import moira  # noqa: E402
 
+from benchmarks.paper_attend import PaperAttend  # noqa: E402
 from tests.v1.attention.moira_test_utils import (  # noqa: E402
     PAGE,
     make_block_table,
@@ -124,7 +125,7 @@ def reference_cache(case):
 
 
 def split_summary_dtype(name):
-    """``"int8:mvar_top4"`` -> ``("mvar_top4", "int8")``; a plain estimator -> bf16. A
+    """``"int8:mvar_top8"`` -> ``("mvar_top8", "int8")``; a plain estimator -> bf16. A
     ``+wide`` suffix (``refine_of``) is not part of the summaries' name."""
     estimator, storage = ref.parse_stored_estimator(name.removesuffix("+wide"))
     return estimator, storage or "bfloat16"
@@ -330,23 +331,18 @@ def check_dependent_launches(case, config=None):
     try:
         moira.DECODE_LAUNCH["pdl"] = False
         plain = run(None)
-        result = {}
-        for early in (False, True):
-            moira.DECODE_LAUNCH.update(pdl=True, early_trigger=early)
-            result["dependent_launch_on"] = bool(moira._dependent_launch())
-            eager = run(None)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                two_steps()
-            replayed = run(graph)
-            trigger = "early_trigger" if early else "exit_trigger"
-            result[f"{trigger}_eager_equal_bits"] = all(map(torch.equal, plain, eager))
-            result[f"{trigger}_graph_equal_bits"] = all(map(torch.equal, plain, replayed))
+        moira.DECODE_LAUNCH["pdl"] = True
+        result = {"dependent_launch_on": bool(moira._dependent_launch())}
+        eager = run(None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            two_steps()
+        replayed = run(graph)
     finally:
         moira.DECODE_LAUNCH.clear()
         moira.DECODE_LAUNCH.update(default_launch)
-    result["eager_equal_bits"] = all(v for k, v in result.items() if k.endswith("eager_equal_bits"))
-    result["graph_equal_bits"] = all(v for k, v in result.items() if k.endswith("graph_equal_bits"))
+    result["eager_equal_bits"] = all(map(torch.equal, plain, eager))
+    result["graph_equal_bits"] = all(map(torch.equal, plain, replayed))
     return result
 
 
@@ -642,24 +638,19 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
 
 
 # Estimate launch candidates: key pipeline depths at the default tile, other
-# tiles at the default depth, the int8 slots in bf16 by integer arithmetic
-# instead of fp16 by byte permutes, and other register caps.
+# tiles at the default depth, and other register caps.
 ESTIMATE_SWEEP = [
     *({"key_stages": s} for s in (1, 2, 3, 4)),
     *({"tile_pages": t, "num_warps": w}
       for t, w in ((16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
-    {"int8_convert": "bf16"},
     *({"maxnreg": r} for r in (None, 112, 96)),
 ]  # fmt: skip
 
 
 # Select launch candidates: (thresholds per bisection pass, warps).
 SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
-# Attend candidates, each timed under both schedules: launch changes (num_warps,
-# num_stages and tile_pages of ATTEND_LAUNCH; maxnreg of the schedule's own launch dict)
-# and MoiraConfig split constants (min_chunk_pages C, used by `lists` only;
-# attend_fill_blocks N_F); {} = the default. tile_pages > 1 (several pages per K/V
-# tile) is for fp8 pages, half a bf16 page's bytes per iteration.
+# Attend candidates: launch changes (num_warps, num_stages, maxnreg of
+# ATTEND_LAUNCH) and N_F (MoiraConfig.attend_fill_blocks); {} = the default.
 ATTEND_SWEEP = [
     {},
     {"num_stages": 2},
@@ -669,53 +660,22 @@ ATTEND_SWEEP = [
     {"num_warps": 8, "num_stages": 4},
     {"maxnreg": 128},
     {"maxnreg": None},
-    *({"min_chunk_pages": c} for c in (8, 12, 16, 32)),
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
-    {"min_chunk_pages": 12, "attend_fill_blocks": 792},
-    {"min_chunk_pages": 12, "maxnreg": 128},
-    {"tile_pages": 2},
-    {"tile_pages": 2, "num_stages": 2},
-    {"tile_pages": 2, "num_stages": 4},
-    {"tile_pages": 2, "num_stages": 5},
-    {"tile_pages": 2, "num_warps": 8},
-    {"tile_pages": 2, "maxnreg": None},
-    {"tile_pages": 4},
-    {"tile_pages": 4, "num_stages": 2},
-    {"tile_pages": 4, "num_warps": 8},
 ]
 #: REFINE_LAUNCH candidates, timed as Estimate + Select with refine="wide" (the
 #: estimators named "...+wide" under --sweep-estimate-select); each must give the
-#: default's lists. pipeline_stages 0: the serial loop.
+#: default's lists.
 REFINE_SWEEP = [
     {"tile_pages": 64},
-    {"tile_pages": 64, "pipeline_stages": 0},
     {"tile_pages": 32},
-    {"pipeline_stages": 0},
     {"pipeline_stages": 2},
     {"num_warps": 2},
     {"num_warps": 8},
     {"step_programs": 1024},
     {"step_programs": 16384},
 ]
-#: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
-ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")
-ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNCH"}
-
-
-def split_attend_changes(changes: dict, schedule: str) -> tuple[dict, dict, dict] | None:
-    """One ATTEND_SWEEP entry under ``schedule``: (ATTEND_LAUNCH changes, changes of the
-    schedule's own launch dict ``ATTEND_SCHEDULE_LAUNCH[schedule]``, which for `lists` is
-    ATTEND_LAUNCH itself, MoiraConfig changes), or None where the entry does not
-    apply (min_chunk_pages under `pages`, which splits by blocks, not chunks)."""
-    if schedule not in ATTEND_SCHEDULE_LAUNCH:
-        raise ValueError(f"schedule must be one of {sorted(ATTEND_SCHEDULE_LAUNCH)}")
-    if schedule == "pages" and "min_chunk_pages" in changes:
-        return None
-    launch = {k: v for k, v in changes.items() if k in ATTEND_SHARED_LAUNCH_KEYS}
-    own = {k: v for k, v in changes.items() if k == "maxnreg"}
-    config = {k: v for k, v in changes.items()
-              if k not in ATTEND_SHARED_LAUNCH_KEYS and k != "maxnreg"}  # fmt: skip
-    return launch, own, config
+#: ATTEND_SWEEP keys that change ATTEND_LAUNCH; the others change MoiraConfig.
+ATTEND_LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")
 
 
 def sweep_estimate_launch(case, estimate, ws):
@@ -825,8 +785,7 @@ def sweep_refine_launch(ws, estimate_and_select, batch):
 #: Dependent-launch settings that --step-launches times (moira.DECODE_LAUNCH).
 STEP_LAUNCH_VARIANTS = {
     "no_pdl": {"pdl": False},
-    "pdl": {"pdl": True, "early_trigger": False},
-    "pdl_early": {"pdl": True, "early_trigger": True},
+    "pdl": {"pdl": True},
 }
 
 
@@ -888,48 +847,38 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
     return rows
 
 
-def sweep_attend_launch(case, out, ws_lists, ws_pages, scales) -> list[dict]:
-    """Attend + Merge µs of every ATTEND_SWEEP entry under each schedule, on the lists
-    already in ``ws_lists`` / ``ws_pages`` (the same pages), with the largest difference
-    from the schedule's default output (same pages, another summation order: within bf16
-    rounding)."""
-    defaults = {
-        name: dict(getattr(moira, name)) for name in ("ATTEND_LAUNCH", "ATTEND_PAGES_LAUNCH")
-    }
+def sweep_attend_launch(case, out, ws, scales) -> list[dict]:
+    """Attend + Merge µs of every ATTEND_SWEEP entry on the lists already in ``ws``,
+    with the largest difference from the default's output (same pages, another
+    summation order: within bf16 rounding)."""
+    default = dict(moira.ATTEND_LAUNCH)
     rows = []
-    for schedule, ws in (("lists", ws_lists), ("pages", ws_pages)):
-        own_name = ATTEND_SCHEDULE_LAUNCH[schedule]
-        reference = None
-        # The default first: the reference every candidate's output is compared with.
-        for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
-            split = split_attend_changes(changes, schedule)
-            if split is None:
-                continue
-            launch, own, config_changes = split
-            moira.ATTEND_LAUNCH.update(launch)
-            getattr(moira, own_name).update(own)
-            ws_c = ws
-            if config_changes:
-                ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes))
-                ws_c.page_list.copy_(ws.page_list)
-                ws_c.page_count.copy_(ws.page_count)
-            candidate = torch.full_like(out, float("nan"))
-            try:
-                us = graph_time_us(
-                    lambda ws_c=ws_c, candidate=candidate: moira.attend(
-                        case["query"], case["kv"], case["table"], case["seq"],
-                        ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
-                )  # fmt: skip
-            finally:
-                for name, default in defaults.items():
-                    getattr(moira, name).clear()
-                    getattr(moira, name).update(default)
-            if reference is None:
-                reference = candidate.clone()
-            diff = (candidate.float() - reference.float()).abs().max().item()
-            entry = {"schedule": schedule, **changes}
-            rows.append({**entry, "us": us, "max_abs_diff_vs_default": diff})
-            print("attend", entry, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
+    reference = None
+    # The default first: the reference every candidate's output is compared with.
+    for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
+        launch = {k: v for k, v in changes.items() if k in ATTEND_LAUNCH_KEYS}
+        config_changes = {k: v for k, v in changes.items() if k not in ATTEND_LAUNCH_KEYS}
+        moira.ATTEND_LAUNCH.update(launch)
+        ws_c = ws
+        if config_changes:
+            ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes))
+            ws_c.page_list.copy_(ws.page_list)
+            ws_c.page_count.copy_(ws.page_count)
+        candidate = torch.full_like(out, float("nan"))
+        try:
+            us = graph_time_us(
+                lambda ws_c=ws_c, candidate=candidate: moira.attend(
+                    case["query"], case["kv"], case["table"], case["seq"],
+                    ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
+            )  # fmt: skip
+        finally:
+            moira.ATTEND_LAUNCH.clear()
+            moira.ATTEND_LAUNCH.update(default)
+        if reference is None:
+            reference = candidate.clone()
+        diff = (candidate.float() - reference.float()).abs().max().item()
+        rows.append({**changes, "us": us, "max_abs_diff_vs_default": diff})
+        print("attend", changes, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
     return rows
 
 
@@ -966,35 +915,23 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     counts = ws_fixed.page_count[:batch]
     # K and V of the kept pages, in the cache's bytes (fp8: one per value).
     kept_bytes = int(counts.sum()) * PAGE * 2 * D * case["kv"].element_size()
+    # The paper's Alg. 2 (benchmarks/paper_attend.py) on the same lists.
+    paper = PaperAttend(batch, HQ, HKV, D, ws_fixed.attend_fill_blocks, "cuda")
     attend_us = graph_time_us(
-        lambda: moira.attend(
-            case["query"],
-            case["kv"],
-            case["table"],
-            case["seq"],
-            ws_fixed.page_list,
-            ws_fixed.page_count,
-            out,
-            ws_fixed,
-            SCALE,
-            **scales,
-        )
-    )
+        lambda: paper(case["query"], case["kv"], case["table"], case["seq"], ws_fixed.page_list,
+                      ws_fixed.page_count, out, SCALE)
+    )  # fmt: skip
     rows["attend_merge_us"] = attend_us
-    # The same lists under the serving backend's schedule (even pages per
-    # block, MoiraConfig's default); the paper's preset above is Alg. 2.
-    ws_pages = workspace(case, dataclasses.replace(fixed, attend_schedule="pages"))
-    ws_pages.page_list.copy_(ws_fixed.page_list)
-    ws_pages.page_count.copy_(ws_fixed.page_count)
+    # The backend's Attend (even pages per block).
     attend_pages_us = graph_time_us(
         lambda: moira.attend(case["query"], case["kv"], case["table"], case["seq"],
-                             ws_pages.page_list, ws_pages.page_count, out, ws_pages, SCALE,
+                             ws_fixed.page_list, ws_fixed.page_count, out, ws_fixed, SCALE,
                              **scales)
     )  # fmt: skip
     rows["attend_pages_merge_us"] = attend_pages_us
     rows["attend_pages_tbps"] = kept_bytes / (attend_pages_us * 1e-6) / 1e12
     if sweep_attend:
-        rows["attend_sweep"] = sweep_attend_launch(case, out, ws_fixed, ws_pages, scales)
+        rows["attend_sweep"] = sweep_attend_launch(case, out, ws_fixed, scales)
     if sweep_estimate_select:
         rows.update(sweep_estimate_and_select(case, ws))
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
@@ -1024,8 +961,7 @@ def main():
     parser.add_argument(
         "--sweep-attend",
         action="store_true",
-        help="time Attend launch configs under both schedules (outputs checked against "
-        "each schedule's default)",
+        help="time Attend launch configs (outputs checked against the default's)",
     )
     parser.add_argument("--attend-sweep", default=None,
                         help="JSON list of launch and MoiraConfig changes for "
@@ -1039,7 +975,7 @@ def main():
     parser.add_argument("--estimate-launch", default=None,
                         help="JSON merged into ESTIMATE_LAUNCH before any work (every "
                         "check and timing runs under it), e.g. "
-                        "'{\"int8_convert\": \"imma\"}'")  # fmt: skip
+                        "'{\"key_stages\": 2}'")  # fmt: skip
     parser.add_argument(
         "--no-select-sweep",
         action="store_true",
@@ -1049,7 +985,7 @@ def main():
         "--estimators",
         default="",
         help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time; prefix 'int8:' "
-        "or 'int4:' (e.g. int8:mvar_top4) for int8 summaries or int4 stored keys "
+        "or 'int4:' (e.g. int4:mvar_top8) for int8 summaries or int4 stored keys "
         "(MOIRA_SUMMARY_DTYPE), suffix '+wide' for MOIRA_REFINE=wide (e.g. "
         "int8:mvar_top8+wide)",
     )

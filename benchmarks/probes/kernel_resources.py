@@ -60,8 +60,6 @@ KERNEL_NAMES = (
 #: the pages that decode rows fill): their per-channel sums must be reduced in
 #: the same order (summary_sum_layouts).
 SUMMARY_KERNEL_NAMES = ("kernel_moira_write_summaries", "kernel_moira_estimate")
-#: The kernels that replace Attend and Merge under attend_schedule="pages".
-PAGE_SCHEDULE_KERNEL_NAMES = ("kernel_moira_attend_pages", "kernel_moira_merge_pages")
 #: refine="wide"'s kernel, between its two Selects.
 REFINE_KERNEL_NAMES = ("kernel_moira_refine",)
 #: Launch options of Triton's launcher, not kernel arguments.
@@ -113,14 +111,14 @@ def captured_launches(moira):
             return record
 
     # (--src trees from before the "pages" schedule have no such kernels.)
-    names = KERNEL_NAMES + PAGE_SCHEDULE_KERNEL_NAMES + REFINE_KERNEL_NAMES
+    names = KERNEL_NAMES + REFINE_KERNEL_NAMES
     originals = {name: getattr(moira, name) for name in names if hasattr(moira, name)}
     dependent = moira._dependent_launch
     try:
         for name, fn in originals.items():
             setattr(moira, name, _Recorder(fn))
         # As on the H200: every kernel waits on the previous one (gdc_wait).
-        moira._dependent_launch = lambda: {"USE_GDC": True, "EARLY_TRIGGER": False}
+        moira._dependent_launch = lambda: {"USE_GDC": True}
         yield launches
     finally:
         for name, fn in originals.items():
@@ -130,8 +128,8 @@ def captured_launches(moira):
 
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
                          num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
-                         attend_schedule: str | None = None, kv_cache_dtype: str = "auto",
-                         refine: str | None = None) -> list:  # fmt: skip
+                         kv_cache_dtype: str = "auto", refine: str | None = None,
+                         ) -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
     the kernels' specialization allows (a few KV blocks): only shapes the
@@ -139,10 +137,9 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     fp8 cache (e4m3 with K/V scales)."""
     import torch
 
-    schedule = {"attend_schedule": attend_schedule} if attend_schedule else {}
-    if refine:  # refine="wide": two Selects with the refine kernel between them
-        schedule["refine"] = refine
-    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **schedule)
+    # refine="wide": two Selects with the refine kernel between them
+    changes = {"refine": refine} if refine else {}
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **changes)
     max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
     num_blocks = 16
     kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
@@ -334,19 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", default=None, help="import vllm_moira from this directory")
     ap.add_argument("--triton-path", default=None, help="a directory holding another Triton")
     ap.add_argument(
-        "--attend-schedule",
-        default=None,
-        help="MoiraConfig.attend_schedule (default: the config's)",
-    )
-    ap.add_argument(
         "--estimate-launch",
         default=None,
-        help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"int8_convert": "imma"}\'',
+        help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"key_stages": 2}\'',
     )
     ap.add_argument(
         "--attend-launch",
         default=None,
-        help="JSON merged into ATTEND_LAUNCH, e.g. '{\"tile_pages\": 2}'",
+        help="JSON merged into ATTEND_LAUNCH, e.g. '{\"num_stages\": 4}'",
     )
     ap.add_argument(
         "--refine-launch",
@@ -374,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
-                                    attend_schedule=a.attend_schedule,
                                     kv_cache_dtype=a.kv_cache_dtype, refine=a.refine)  # fmt: skip
     rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
@@ -397,7 +388,6 @@ def main(argv: list[str] | None = None) -> int:
             "summary_dtype": summary_dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
             "refine": a.refine or "off",
-            "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
             "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
             "attend_launch": dict(moira.ATTEND_LAUNCH),
             "refine_launch": dict(moira.REFINE_LAUNCH),

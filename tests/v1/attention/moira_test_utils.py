@@ -160,7 +160,7 @@ def apply_launch_candidates(monkeypatch) -> None:
     """Run a GPU test under candidate launch settings before they become the
     default: ``MOIRA_TEST_ESTIMATE_LAUNCH`` and ``MOIRA_TEST_ATTEND_LAUNCH``
     hold JSON dicts of changes to the built backend's ESTIMATE_LAUNCH and
-    ATTEND_LAUNCH (e.g. ``'{"tile_pages": 2}'``); an unknown key fails."""
+    ATTEND_LAUNCH (e.g. ``'{"num_stages": 4}'``); an unknown key fails."""
     import json
     import os
 

@@ -216,18 +216,16 @@ def test_selector_flags():
 def test_config_defaults():
     cfg = moira_module().moira_config_from_env({})
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
-    assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
     # Rows of small batches are read whole, all-dense steps run FA3, and
-    # Attend shares the step's pages evenly.
+    # Attend's blocks are those the GPU holds at once.
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 36864)
-    assert (cfg.attend_schedule, cfg.dense_steps) == ("pages", "fa3")
+    assert cfg.dense_steps == "fa3"
     # One set of defaults: the environment's are MoiraConfig's.
     assert cfg == moira_module().MoiraConfig()
-    # The paper's algorithm is a preset: Alg. 2, no dense rows, Moira on every step.
+    # The paper's decode step is a preset: no dense rows, Moira on every step, no
+    # refinement.
     paper = moira_module().MoiraConfig.paper(gamma=0.9)
-    assert (paper.attend_schedule, paper.dense_batch_tokens, paper.dense_steps) == (
-        "lists", 0, "moira"
-    )  # fmt: skip
+    assert (paper.dense_batch_tokens, paper.dense_steps, paper.refine) == (0, "moira", "off")
     assert paper.gamma == 0.9 and paper.estimator == cfg.estimator
 
 
@@ -237,18 +235,13 @@ def test_config_from_env_values():
             "MOIRA_GAMMA": "1",
             "MOIRA_SELECTOR": "FIXED",
             "MOIRA_FIXED_PAGES": "16",
-            "MOIRA_MIN_CHUNK_PAGES": "8",
-            "MOIRA_MIN_SPLITS_PER_ROW": "4",
-            "MOIRA_MIN_SPLITS_TOTAL": "128",
             "MOIRA_ATTEND_FILL_BLOCKS": "1",
             "MOIRA_DENSE_BATCH_TOKENS": "16384",
-            "MOIRA_ATTEND_SCHEDULE": "Lists",
             "MOIRA_DENSE_STEPS": "Moira",
         }
     )
-    assert cfg.attend_schedule == "lists" and cfg.dense_steps == "moira"
+    assert cfg.dense_steps == "moira"
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
-    assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (1, 16384)
 
 
@@ -269,19 +262,16 @@ def test_config_from_env_values():
             {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"},
             r"MOIRA_FIXED_PAGES, an integer >= 1",
         ),
-        ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"MOIRA_MIN_CHUNK_PAGES must be an integer >= 1"),
+        ({"MOIRA_MIN_CHUNK_PAGES": "24"}, r"unknown environment variable.*MOIRA_MIN_CHUNK_PAGES"),
         ({"MOIRA_ATTEND_FILL_BLOCKS": "-1"}, r"MOIRA_ATTEND_FILL_BLOCKS must be an integer >= 0"),
         ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"MOIRA_DENSE_BATCH_TOKENS must be an integer >= 0"),
-        (
-            {"MOIRA_ATTEND_SCHEDULE": "stream"},
-            r"MOIRA_ATTEND_SCHEDULE must be one of \('lists', 'pages'\)",
-        ),
+        ({"MOIRA_ATTEND_SCHEDULE": "pages"}, r"unknown environment variable.*ATTEND_SCHEDULE"),
         ({"MOIRA_DENSE_STEPS": "dense"}, r"MOIRA_DENSE_STEPS must be one of \('moira', 'fa3'\)"),
-        ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
+        ({"MOIRA_DENSE_BATCH_TOKENS": "1e3"}, r"MOIRA_DENSE_BATCH_TOKENS='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
         (
             {"MOIRA_ESTIMATOR": "box"},
-            r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_rem', .*'mvar_top8'\)",
+            r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_top8'\)",
         ),
         (
             {"MOIRA_SUMMARY_DTYPE": "fp8"},

@@ -24,13 +24,9 @@ from tests.v1.attention.moira_test_utils import (
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-# Attend constants small enough that CPU-sized rows still split into several
-# chunks (the defaults C=24, N_J=32, N_T=4096 are exercised separately).
-# attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
-# their boundaries (the fill rule has tests of its own).
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks (N_F), so that CPU-sized lists are cut over several blocks and
+# Merge combines their parts (the default N_F is exercised separately).
+SMALL_FILL = dict(attend_fill_blocks=5)
 # Decode-step tests run the default estimator (its summaries and Estimate);
 # estimator-specific kernels are tested in test_moira_estimator_kernels.py.
 DEFAULT_ESTIMATOR = moira.MOIRA_DEFAULT_ESTIMATOR
@@ -117,8 +113,8 @@ def test_writer_window_must_be_a_power_of_two(monkeypatch):
 
 @pytest.mark.parametrize(
     ("estimator", "summary_dtype"),
-    [("mvar", "bfloat16"), ("mvar_top4", "bfloat16"), (DEFAULT_ESTIMATOR, "int8"),
-     ("mvar_top4", "int4")],
+    [("mvar", "bfloat16"), (DEFAULT_ESTIMATOR, "bfloat16"), (DEFAULT_ESTIMATOR, "int8"),
+     (DEFAULT_ESTIMATOR, "int4")],
 )  # fmt: skip
 @pytest.mark.parametrize("dense", [False, True])
 def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
@@ -384,7 +380,7 @@ def test_set_selector_switches_in_place():
             assert ws.page_count[row].tolist() == [expected, expected]
     assert ws.selector_params.data_ptr() == params
     with pytest.raises(ValueError, match="cannot change"):
-        ws.set_selector(moira.MoiraConfig.paper(min_chunk_pages=5))
+        ws.set_selector(moira.MoiraConfig.paper(attend_fill_blocks=5))
 
 
 def test_select_rows_longer_than_4096_pages():
@@ -420,9 +416,9 @@ def _gamma_one_step(config, seq_lens, group, head_size, layout):
      ("head_major", 8, 128)],
 )  # fmt: skip
 def test_gamma_one_equals_dense(layout, group, head_size):
-    # Rows: 1 token, one page, C pages exactly, J*C + 1 pages (J = 3 here),
-    # a ragged row, and a padded row (seq_len 0, must stay untouched).
-    config = moira.MoiraConfig.paper(gamma=1.0, **SMALL_SPLITS)
+    # Rows: 1 token, one page, 2 and 7 pages, a ragged row, and a padded row
+    # (seq_len 0, must stay untouched).
+    config = moira.MoiraConfig.paper(gamma=1.0, **SMALL_FILL)
     seq_lens = [1, 64, 2 * PAGE, (3 * 2 + 1) * PAGE, 64 * 4 + 17, 0]
     out, dense, ws = _gamma_one_step(config, seq_lens, group, head_size, layout)
     for row, seq_len in enumerate(seq_lens[:-1]):
@@ -451,12 +447,10 @@ def _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens):
         ("head_major", 4, "random", 0.98, DEFAULT_ESTIMATOR),
         ("token_major", 3, "outlier", 0.98, "mvar"),
         ("head_major", 4, "concentrated", 0.95, "mvar"),
-        ("token_major", 3, "concentrated", 0.98, "mvar_rem"),
-        ("head_major", 4, "outlier", 0.95, "mvar_top2"),
     ],
 )
 def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimator):
-    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, **SMALL_FILL)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern,
                                               estimator=estimator)  # fmt: skip
@@ -474,7 +468,7 @@ def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimato
 
 def test_attend_accepts_any_page_list():
     """attend() runs other selectors' lists (here: every other page)."""
-    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(**SMALL_FILL)
     seq_lens = [64 * 9 + 5, 64 * 3]
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "token_major")
     ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
@@ -496,16 +490,10 @@ def test_attend_stages_follow_the_kv_cache_unless_set(monkeypatch):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
-@pytest.mark.parametrize("tile_pages", [2, 4])
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
-def test_attend_tile_pages_matches_reference(schedule, tile_pages, kv_dtype, monkeypatch):
-    """ATTEND_LAUNCH["tile_pages"] > 1 gathers several list entries into one
-    K/V tile: lists whose lengths are not multiples of the tile (1, 3, 5, 6
-    pages), entries out of order, a partial last page, and (``pages``, 4
-    blocks) runs that cut lists at odd positions all equal the reference."""
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "tile_pages", tile_pages)
-    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 4}
-    config = moira.MoiraConfig.paper(attend_schedule=schedule, **splits)
+def test_attend_uneven_lists_match_reference(kv_dtype):
+    """Lists of 1, 3, 5 and 6 pages, entries out of order, a partial last page,
+    and 4 blocks whose runs cut lists at odd positions all equal the reference."""
+    config = moira.MoiraConfig.paper(attend_fill_blocks=4)
     seq_lens = [64 * 9 + 5, 64 * 3, 64 * 6]
     kv, _, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", seed=5)
     scales = {}
@@ -526,70 +514,6 @@ def test_attend_tile_pages_matches_reference(schedule, tile_pages, kv_dtype, mon
     _assert_attend_equals_reference(out, query, kv_values, table, lists, seq_lens)
 
 
-def test_attend_tile_pages_outside_the_allowed_values_is_refused(monkeypatch):
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "tile_pages", 3)
-    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
-    kv, _, table, seq, query = _batch([64 * 2], 1, 1, 64, "token_major")
-    page_list, page_count = pack_page_lists([[torch.tensor([0, 1])]], table.shape[1])
-    ws = moira.MoiraWorkspace(1, 1, 1, 64, table.shape[1], config, "cpu")
-    with pytest.raises(ValueError, match=r"tile_pages'\] must be one of \(1, 2, 4\), got 3"):
-        moira.attend(query, kv, table, seq, page_list, page_count, torch.empty_like(query), ws,
-                     0.125)  # fmt: skip
-
-
-def _chunks_written(ws, row, num_splits, num_q_heads):
-    """Chunks of ``row`` whose partial LSE Attend wrote (buffers start NaN)."""
-    lse = ws.partial_lse[row * num_splits : (row + 1) * num_splits, :num_q_heads]
-    return int(lse.isfinite().all(dim=1).sum())
-
-
-@pytest.mark.slow
-def test_default_split_constants_single_and_multi_chunk():
-    """Eq. 4 exactly (attend_fill_blocks=1) with C=24, N_J=32, N_T=4096: a
-    24-page row is one chunk written by Attend directly; a 25-page row is
-    two chunks combined by Merge."""
-    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=1)
-    seq_lens = [24 * PAGE, 25 * PAGE]
-    kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "head_major")
-    ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
-    ws.partial_lse.fill_(float("nan"))
-    num_splits = config.num_splits(2, 1)
-    assert num_splits == 2048
-    out = torch.empty_like(query)
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-    dense = ref.dense_decode(query, kv, table, seq, 0.125)
-    torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
-    assert _chunks_written(ws, 0, num_splits, 2) == 0  # one chunk: written to out
-    assert _chunks_written(ws, 1, num_splits, 2) == 2
-
-
-@pytest.mark.parametrize(
-    ("pages", "fill_blocks", "chunks"),
-    [([24, 25], 1, [0, 2]), ([24, 25], 512, [24, 25]), ([24, 25], 16, [6, 7]),
-     ([10, 40], 10, [2, 8])],
-)  # fmt: skip
-@pytest.mark.slow
-def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, chunks):
-    """attend_fill_blocks N_F: lists of 24 and 25 pages (49 in the step)
-    cannot give N_F blocks of C = 24 pages, so chunks shrink to ceil(49 / N_F)
-    pages: one page at 512 (24 and 25 chunks), 4 pages at 16 (6
-    and 7 chunks); N_F = 1 is Eq. 4. The chunk size is the step's, not each
-    list's: lists of 10 and 40 pages at N_F = 10 both get 5-page chunks (2 and
-    8 of them). The output equals dense attention each time."""
-    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=fill_blocks)
-    seq_lens = [n * PAGE for n in pages]
-    kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "token_major", seed=3)
-    ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
-    ws.partial_lse.fill_(float("nan"))
-    num_splits = config.num_splits(2, 1)
-    out = torch.empty_like(query)
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-    dense = ref.dense_decode(query, kv, table, seq, 0.125)
-    torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
-    written = [_chunks_written(ws, row, num_splits, 2) for row in range(2)]
-    assert written == chunks
-
-
 def test_fill_blocks_default_is_the_blocks_the_device_holds():
     """attend_fill_blocks = 0 (default) resolves to ATTEND_BLOCKS_PER_SM per SM
     (off the GPU: 132 SMs, an H200); a set value is used as given."""
@@ -604,7 +528,7 @@ def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
     workspace.list_pages (Estimate zeroes it first, so a second step does not
     accumulate); attend() without it sums the counts itself and gives the
     same output bit for bit."""
-    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_FILL)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
     ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
@@ -624,7 +548,7 @@ def test_dense_batch_tokens_reads_short_rows_whole():
     (their log-masses stay unwritten) and keep every page; longer rows in
     the same batch go through the coverage rule as usual."""
     seq_lens = [64 * 3 + 5, 64 * 12, 64 * 20]  # 4, 12, 20 pages; x 3 rows: 12, 36, 60
-    config = moira.MoiraConfig.paper(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_FILL)
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
     ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
     ws.logmass.fill_(float("nan"))
@@ -656,11 +580,11 @@ def test_dense_batch_tokens_reads_short_rows_whole():
 
 
 # --------------------------------------------------------------------------
-# Attend's "pages" schedule: N_F blocks share the step's pages evenly
+# Attend's schedule: N_F blocks share the step's pages evenly
 # --------------------------------------------------------------------------
 def _page_schedule_parts(page_count, num_blocks):
-    """Parts (one per block and list it touches) of every list under the
-    "pages" schedule, computed on the host from the lengths."""
+    """Parts (one per block and list it touches) of every list, computed on the
+    host from the lengths."""
     counts = [int(c) for c in page_count.flatten()]
     total = sum(counts)
     chunk = max(-(-total // num_blocks), 1)
@@ -677,12 +601,10 @@ def _page_schedule_parts(page_count, num_blocks):
      ("head_major", 8, 128, 396), ("head_major", 3, 64, 10)],
 )  # fmt: skip
 def test_page_schedule_gamma_one_equals_dense(layout, group, head_size, fill_blocks):
-    """Every page kept: the "pages" schedule equals dense attention for 1, a
-    few and more blocks than pages (1-token, 1-page, ragged and padded rows),
+    """Every page kept: Attend equals dense attention for 1, a few and more
+    blocks than pages (1-token, 1-page, ragged and padded rows),
     and leaves the padded row untouched."""
-    config = moira.MoiraConfig.paper(
-        gamma=1.0, attend_schedule="pages", attend_fill_blocks=fill_blocks
-    )
+    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=fill_blocks)
     seq_lens = [1, 64, 2 * PAGE, 7 * PAGE, 64 * 4 + 17, 0]
     out, dense, _ = _gamma_one_step(config, seq_lens, group, head_size, layout)
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
@@ -697,11 +619,9 @@ def test_page_schedule_gamma_one_equals_dense(layout, group, head_size, fill_blo
 )  # fmt: skip
 def test_page_schedule_sparse_decode_matches_reference(layout, group, pattern, gamma,
                                                        fill_blocks):  # fmt: skip
-    """The coverage rule's lists attended under the "pages" schedule equal the
-    reference step (its lists are Select's, so only Attend and Merge differ)."""
-    config = moira.MoiraConfig.paper(
-        gamma=gamma, attend_schedule="pages", attend_fill_blocks=fill_blocks
-    )
+    """The coverage rule's lists attended over N_F blocks equal the reference
+    step (its lists are Select's, so only Attend and Merge differ)."""
+    config = moira.MoiraConfig.paper(gamma=gamma, attend_fill_blocks=fill_blocks)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern)
     ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
@@ -715,11 +635,11 @@ def test_page_schedule_sparse_decode_matches_reference(layout, group, pattern, g
 @pytest.mark.parametrize("fill_blocks", [1, 4, 6, 40])
 def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
     """attend() with uneven lists, empty ones among them (first, middle and
-    last list), under the "pages" schedule: each list's output equals the
+    last list): each list's output equals the
     reference over its pages, lists of no pages leave their output as it
     was, and Attend wrote a partial slot exactly for each part of a list
     that spans several blocks (slots start NaN)."""
-    config = moira.MoiraConfig.paper(attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    config = moira.MoiraConfig.paper(attend_fill_blocks=fill_blocks)
     seq_lens = [64 * 9 + 5, 64 * 3, 64 * 14]
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "head_major", seed=4)
     ws = moira.MoiraWorkspace(3, 4, 2, 64, table.shape[1], config, "cpu")
@@ -748,22 +668,6 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
     assert int(written.sum()) == sum(p for p in parts if p > 1)
 
 
-@pytest.mark.slow
-def test_page_schedule_equals_list_schedule_within_rounding():
-    """The two schedules attend the same lists; only the order of the online
-    softmax differs, so the outputs agree to bf16 rounding."""
-    seq_lens = [64 * 30, 64 * 3 + 9, 64 * 17, 64]
-    kv, summaries, table, seq, query = _batch(seq_lens, 2, 4, 64, "token_major", "concentrated")
-    outs = []
-    for schedule in moira.MOIRA_ATTEND_SCHEDULES:
-        config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, attend_fill_blocks=6)
-        ws = moira.MoiraWorkspace(4, 8, 2, 64, table.shape[1], config, "cpu")
-        out = torch.empty_like(query)
-        moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-        outs.append(out.float())
-    torch.testing.assert_close(outs[0], outs[1], atol=BF16_ATOL, rtol=BF16_RTOL)
-
-
 def test_merge_matches_reference_lse_combine():
     gen = torch.Generator().manual_seed(5)
     chunks = torch.randn(4, 3, 8, generator=gen)
@@ -789,10 +693,8 @@ def test_merge_matches_reference_lse_combine():
         (dict(selector="fixed", fixed_fraction=1.5), "fixed_fraction must be in"),
         (dict(selector="fixed", fixed_pages=3, fixed_fraction=0.5), "exactly one of"),
         (dict(fixed_pages=4), "only used with selector='fixed'"),
-        (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
         (dict(attend_fill_blocks=-1), "attend_fill_blocks must be an integer >= 0"),
         (dict(dense_batch_tokens=-64), "dense_batch_tokens must be an integer >= 0"),
-        (dict(attend_schedule="even"), "attend_schedule must be one of \\('lists', 'pages'\\)"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):
@@ -819,22 +721,19 @@ def test_workspace_rejects_unsupported_geometry():
 # Tensor parallelism: per-rank KV-head shards
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
 @pytest.mark.slow
-def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
+def test_tensor_parallel_shards_equal_the_unsharded_step(layout):
     """vLLM's tensor parallelism gives each rank a contiguous block of KV heads
     with their G query heads, its own KV cache, summaries and workspace. Every
     Moira step is per (row, KV head), so each rank's step on its shard must
-    give bitwise the page lists and read counts of the unsharded step, and
-    under Alg. 2's chunks per list bitwise its outputs. Under the "pages"
-    schedule a rank's runs follow its own total pages, so a list may be cut
+    give bitwise the page lists and read counts of the unsharded step. A
+    rank's Attend runs follow its own total pages, so a list may be cut
     elsewhere than in the unsharded step: outputs agree to rounding."""
     tp, num_kv_heads, group, head_size = 2, 4, 3, 64
     seq_lens = [1, 64, 64 * 9 + 5, 64 * 30, 64 * 17 + 63]
     kv, summaries, table, seq, query = _batch(seq_lens, num_kv_heads, group, head_size, layout,
                                               pattern="concentrated")  # fmt: skip
-    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 5}
-    config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, **splits)
+    config = moira.MoiraConfig.paper(gamma=0.95, **SMALL_FILL)
     scale = head_size**-0.5
     whole = moira.MoiraWorkspace(8, num_kv_heads * group, num_kv_heads, head_size,
                                  table.shape[1], config, "cpu")  # fmt: skip
@@ -855,11 +754,8 @@ def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
         out = torch.zeros_like(query_rank)
         moira.moira_decode(query_rank, kv_rank, summaries_rank, table, seq, out, ws, scale)
         rows = len(seq_lens)
-        if schedule == "lists":
-            assert torch.equal(out, out_whole[:, q_heads])
-        else:
-            torch.testing.assert_close(out.float(), out_whole[:, q_heads].float(),
-                                       atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
+        torch.testing.assert_close(out.float(), out_whole[:, q_heads].float(),
+                                   atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
         assert torch.equal(ws.page_count[:rows], whole.page_count[:rows, kv_heads])
         for row in range(rows):
             for h in range(heads_per_rank):
@@ -879,7 +775,7 @@ def test_decode_step_padded_query_rows_raise_no_numpy_warnings():
     import warnings
 
     kv, summaries, table, seq, query = _batch([64 * 9 + 5, 64 * 3, 1], 2, 3, 64, "token_major")
-    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_FILL)
     ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
     out = torch.zeros_like(query)
     with warnings.catch_warnings(record=True) as caught:

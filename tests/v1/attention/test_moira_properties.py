@@ -39,11 +39,8 @@ from tests.v1.attention.moira_test_utils import (
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-# attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
-# their boundaries (the fill rule has tests of its own).
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks, so that CPU-sized lists are cut over several blocks (Merge runs).
+SMALL_FILL = dict(attend_fill_blocks=5)
 BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2
 # Estimate is fp32 on both sides; only the summation order differs.
 LOGMASS_ATOL, LOGMASS_RTOL = 1e-4, 1e-4
@@ -291,7 +288,7 @@ def decode_cases(draw):
 def test_decode_step_property(case):
     kv, summaries, table, seq, query = build(case)
     seq_lens, hkv, d = case["seq_lens"], case["num_kv_heads"], case["head_size"]
-    config = _config(case, **SMALL_SPLITS)
+    config = _config(case, **SMALL_FILL)
     rows = len(seq_lens)
     ws = moira.MoiraWorkspace(rows + 1, query.shape[1], hkv, d, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
@@ -352,7 +349,7 @@ def test_attend_any_lists_property(case, data):
             page_count[row, h] = len(pages)
             row_lists.append(pages)
         lists.append(row_lists)
-    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(**SMALL_FILL)
     ws = moira.MoiraWorkspace(rows, query.shape[1], hkv, d, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     scale = d**-0.5
@@ -422,7 +419,7 @@ def test_block_offsets_beyond_int32(layout):
     query = torch.randn(2, hkv * group, d, generator=gen).to(torch.bfloat16)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     for gamma in (1.0, 0.6):
-        config = moira.MoiraConfig.paper(gamma=gamma, estimator="mvar", **SMALL_SPLITS)
+        config = moira.MoiraConfig.paper(gamma=gamma, estimator="mvar", **SMALL_FILL)
         ws = moira.MoiraWorkspace(2, hkv * group, hkv, d, 5, config, "cpu")
         out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, d**-0.5)

@@ -16,7 +16,7 @@ from tests.v1.attention.moira_test_utils import PAGE
 from tests.v1.attention.test_moira_kernels import (
     BF16_ATOL,
     BF16_RTOL,
-    SMALL_SPLITS,
+    SMALL_FILL,
     _batch,
     _random_logmass,
 )
@@ -106,7 +106,7 @@ def test_set_row_gamma_resets_later_rows_in_place():
 def test_decode_with_mixed_row_gamma_matches_reference(layout, group):
     """The whole step with one gamma per row: lists and outputs follow the
     reference, the gamma=1 row equals dense attention, the padded row is untouched."""
-    config = moira.MoiraConfig.paper(gamma=SERVER_GAMMA, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=SERVER_GAMMA, **SMALL_FILL)
     seq_lens = [64 * 12, 64 * 12, 64 * 7 + 3, 100, 0]
     row_gamma = [1.0, 0.0, 0.5, 0.95, 0.0]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, "concentrated")

@@ -9,8 +9,8 @@ the step replays in vLLM's full CUDA graph with no host planning:
    the sink and current pages exactly from their keys.
 2. Select: the fewest pages whose share reaches gamma (coverage rule), by
    bisection; or a fixed count.
-3. Attend: split-KV over the selected pages; blocks plan their own work from
-   the list lengths in device memory.
+3. Attend: N_F blocks share the step's selected pages evenly, the lists laid
+   end to end; blocks plan their own work from the list lengths in device memory.
 4. Merge: log-sum-exp combine of lists split over several blocks.
 
 Summaries are written when a page fills: by ``write_page_summaries`` for
@@ -67,9 +67,9 @@ from vllm.v1.worker.moira_summaries import (
 )
 
 try:  # Hopper grid dependency control (Triton >= 3.4)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # pragma: no cover - no Triton, or one without it: plain launches
-    gdc_launch_dependents = gdc_wait = None
+    gdc_wait = None
 
 logger = init_logger(__name__)
 
@@ -88,12 +88,6 @@ MOIRA_MAX_GROUP_SIZE = 16
 MOIRA_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 MOIRA_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 MOIRA_SELECTORS = ("coverage", "fixed")
-#: How Attend divides the step's page lists among its blocks. "lists": the
-#: paper's Alg. 2, J blocks per (row, KV head), each taking one chunk of its
-#: list. "pages": N_F blocks for the whole step, each taking the same number
-#: of pages of the lists laid end to end, so uneven lists leave no block with
-#: more work than another.
-MOIRA_ATTEND_SCHEDULES = ("lists", "pages")
 #: What a decode step whose rows are all dense runs. "moira": Moira's kernels,
 #: Estimate and Select skipping the rows. "fa3": vLLM's FA3 decode in FULL
 #: CUDA graphs of its own (vLLM patch 0006), plus the summary writer.
@@ -110,17 +104,12 @@ MOIRA_DEFAULT_REFINE = "off"
 #: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
 REFINE_BELOW_NATS = 3.0
 REFINE_WIDE_FACTOR = 0.75
-#: Page-mass estimator -> r, the keys stored exactly per page and KV head
-#: (docs/estimator.md). "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2 with the
-#: random-energy-model spread term; "mvar_top{r}": the r keys farthest from
-#: the page mean stored exactly, the rest summarized as for mvar_rem.
-MOIRA_ESTIMATOR_NUM_TOP = {
-    "mvar": 0,
-    "mvar_rem": 0,
-    "mvar_top2": 2,
-    "mvar_top4": 4,
-    "mvar_top8": 8,
-}
+#: Page-mass estimator -> r, the keys stored exactly per page and KV head.
+#: "mvar": the paper's Eq. 2; "mvar_top8": the 8 keys farthest from the page
+#: mean stored exactly, the other 56 summarized by their mean and variance with
+#: the random-energy-model spread term. The research estimators live in the
+#: float32 reference (ops/moira_reference.py) and benchmarks/probes/.
+MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_top8": 8}
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
 #: int8 summaries: half the memory of bf16 at the same accuracy (docs/estimator.md).
@@ -135,10 +124,6 @@ ESTIMATE_LAUNCH: dict[str, Any] = {
     "num_warps": 2,
     # Software-pipeline depth of the stored-key loop.
     "key_stages": 3,
-    # How int8 slots meet q: "imma" (int8 tensor cores against q's int8
-    # digits), "prmt" (fp16 by byte permutes), or "auto" (_int8_convert_mode).
-    # "bf16" (integer-arithmetic conversion) is kept as an ablation.
-    "int8_convert": "auto",
     # Register cap per thread (None: ptxas's choice): 8 programs per SM
     # instead of 6.
     "maxnreg": 128,
@@ -150,38 +135,30 @@ WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
 # _SELECT_SHORT_TILE_PAGES pages: K_B = long_lanes thresholds tested per
 # bisection pass in one 2D reduction (1: one reduction per threshold).
 SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
-# Attend (paper App. A: 4 warps, 3 stages; maxnreg None: ptxas's choice).
-# num_stages None: by the KV cache's dtype (ATTEND_STAGES_BY_KV); a number sets
-# both (launch sweeps, probes). tile_pages: list entries (pages) per iteration
-# of the K/V loop, 1, 2 or 4.
-ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": None,
-                                 "tile_pages": 1}  # fmt: skip
+# Attend (paper App. A: 4 warps, 3 stages). num_stages None: by the KV cache's
+# dtype (ATTEND_STAGES_BY_KV); a number sets both (launch sweeps, probes).
+# maxnreg: the register cap that fits 3 blocks per SM (the N_F that
+# ATTEND_BLOCKS_PER_SM counts on) with no spills.
+ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": 168}
 # An fp8 page is half a bf16 page's bytes, so 5 stages take about the shared
 # memory of 3 bf16 ones (3 blocks per SM still fit) and keep more pages in
 # flight, which fp8 pages need: one page per iteration leaves bf16's loop
 # latency-bound on half the bytes. H200 sweep (benchmarks/results/fp8/): the
 # same output bits, Attend -11% at 4x131072; more stages do not help bf16.
 ATTEND_STAGES_BY_KV = {"bf16": 3, "fp8": 5}
-#: ATTEND_LAUNCH["tile_pages"] values: the tile's token count must be a power of 2.
-ATTEND_TILE_PAGES = (1, 2, 4)
-# attend_schedule="pages": the register cap that fits 3 blocks per SM (the
-# N_F that ATTEND_BLOCKS_PER_SM counts on) with no spills.
-ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
 # Attend blocks resident per SM at ATTEND_LAUNCH on the H200; N_F = 0 aims a
 # small step at this many blocks per SM, one full wave.
 ATTEND_BLOCKS_PER_SM = 3
 # Programmatic dependent launch (Hopper): each decode-step kernel may be
 # scheduled while the previous one finishes, and waits (gdc_wait) for its
-# memory first; same outputs, bit for bit, as plain launches. early_trigger
-# (schedule the next kernel once all blocks have started) is an ablation for
-# moira_correctness.py --step-launches.
-DECODE_LAUNCH: dict[str, Any] = {"pdl": True, "early_trigger": False}
+# memory first; same outputs, bit for bit, as plain launches.
+DECODE_LAUNCH: dict[str, Any] = {"pdl": True}
 
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
 _SELECT_SHORT_TILE_PAGES = 256
-# Largest tile of list lengths that attend_schedule="pages" scans at once.
+# Largest tile of list lengths that Attend scans at once.
 _ATTEND_MAX_LISTS_TILE = 1024
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
@@ -190,11 +167,10 @@ _MIN_DOT_ROWS = 16
 # SMs assumed off the GPU (CPU tests): an H100 / H200 SXM.
 _DEFAULT_SM_COUNT = 132
 
-#: The paper's algorithm (§3.3): Alg. 2's chunks per list, no dense rows,
-#: Moira's kernels on every step. ``MoiraConfig.paper()``; the kernel tests
-#: and benchmarks/moira_correctness.py use it.
+#: The paper's decode step (§3.3) less its Attend schedule: no dense rows,
+#: Moira's kernels on every step, the estimate alone. ``MoiraConfig.paper()``;
+#: the kernel tests and benchmarks/moira_correctness.py use it.
 MOIRA_PAPER_SETTINGS: dict[str, Any] = {
-    "attend_schedule": "lists",
     "dense_batch_tokens": 0,
     "dense_steps": "moira",
     "refine": "off",
@@ -215,20 +191,9 @@ class MoiraConfig:
     fixed_pages: int | None = None
     #: Or, for ``selector="fixed"``, K = ceil(fixed_fraction * pages of the row).
     fixed_fraction: float | None = None
-    #: C: fewest pages per Attend chunk (attend_schedule="lists").
-    min_chunk_pages: int = 24
-    #: N_J: fewest Attend blocks per row (attend_schedule="lists").
-    min_splits_per_row: int = 32
-    #: N_T: fewest Attend blocks per grid (attend_schedule="lists").
-    min_splits_total: int = 4096
-    #: N_F: working Attend blocks a step aims for. "pages": the blocks of the
-    #: step; "lists": a chunk is max(ceil(n / J), min(C, ceil(P / N_F))) pages,
-    #: P the pages in all lists of the step (1 = Eq. 4 exactly). 0 = the
+    #: N_F: Attend blocks of a step, which share its pages evenly. 0 = the
     #: blocks the device holds at once (resolve_attend_fill_blocks).
     attend_fill_blocks: int = 0
-    #: One of MOIRA_ATTEND_SCHEDULES. "pages" is flat in the spread of list
-    #: lengths and a few percent faster than "lists" (docs/design.md).
-    attend_schedule: str = "pages"
     #: Rows with (context tokens) x (decode rows in the batch) at or below
     #: this read every page, skipping Estimate and Select, whose fixed latency
     #: a small batch's few pages do not repay (docs/design.md). Decided per
@@ -296,19 +261,10 @@ class MoiraConfig:
                 f"{n('fixed_fraction')}={self.fixed_fraction!r} with "
                 f"{n('selector')}={self.selector!r}"
             )
-        for field in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Moira: {n(field)} must be an integer >= 1, got {value!r}")
         if not isinstance(self.attend_fill_blocks, int) or self.attend_fill_blocks < 0:
             raise ValueError(
                 f"Moira: {n('attend_fill_blocks')} must be an integer >= 0 (0 = the blocks "
                 f"the GPU holds at once), got {self.attend_fill_blocks!r}"
-            )
-        if self.attend_schedule not in MOIRA_ATTEND_SCHEDULES:
-            raise ValueError(
-                f"Moira: {n('attend_schedule')} must be one of {MOIRA_ATTEND_SCHEDULES}, "
-                f"got {self.attend_schedule!r}"
             )
         if not isinstance(self.dense_batch_tokens, int) or self.dense_batch_tokens < 0:
             raise ValueError(
@@ -365,11 +321,6 @@ class MoiraConfig:
         dense_pages = float(self.dense_batch_tokens // MOIRA_PAGE_SIZE)
         return (self.gamma, fixed_pages, fixed_fraction, dense_pages)
 
-    def num_splits(self, num_rows: int, num_kv_heads: int) -> int:
-        """J of Eq. 4: Attend blocks per (row, KV head) for a batch of rows."""
-        per_grid = triton.cdiv(self.min_splits_total, max(num_rows, 1) * num_kv_heads)
-        return max(self.min_splits_per_row, per_grid)
-
 
 def estimator_num_top(estimator: str) -> int:
     """r: keys per page and KV head that ``estimator`` stores exactly."""
@@ -393,17 +344,20 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_SELECTOR": ("selector", str),
     "MOIRA_FIXED_PAGES": ("fixed_pages", int),
     "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
-    "MOIRA_MIN_CHUNK_PAGES": ("min_chunk_pages", int),
-    "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
-    "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
     "MOIRA_ESTIMATOR": ("estimator", str),
     "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
-    "MOIRA_ATTEND_SCHEDULE": ("attend_schedule", str),
     "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
     "MOIRA_DENSE_STEPS": ("dense_steps", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
     "MOIRA_REFINE": ("refine", str),
 }
+
+_MOIRA_REMOVED_ENV = (
+    "MOIRA_ATTEND_SCHEDULE",
+    "MOIRA_MIN_CHUNK_PAGES",
+    "MOIRA_MIN_SPLITS_PER_ROW",
+    "MOIRA_MIN_SPLITS_TOTAL",
+)
 
 
 def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
@@ -415,13 +369,17 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
     """
     environ = os.environ if environ is None else environ
     # Other MOIRA_* names belong to the project's tooling (MOIRA_VENV,
-    # MOIRA_TEST_GPU, ...); only near-misses of a knob are typos.
+    # MOIRA_TEST_GPU, ...); near-misses of a knob are typos, and knobs of the
+    # removed Attend schedule no longer apply.
     unknown = sorted(
         k
         for k in environ
         if k.startswith("MOIRA_")
         and k not in _MOIRA_ENV_FIELDS
-        and difflib.get_close_matches(k, _MOIRA_ENV_FIELDS, n=1, cutoff=0.85)
+        and (
+            k in _MOIRA_REMOVED_ENV
+            or difflib.get_close_matches(k, _MOIRA_ENV_FIELDS, n=1, cutoff=0.85)
+        )
     )
     if unknown:
         raise ValueError(
@@ -493,27 +451,12 @@ def _estimate_tile_pages(setting: int | str, num_top: int, int8: bool) -> int:
     return setting
 
 
-def _int8_convert_mode(name: str, num_top: int, tile_pages: int) -> int:
-    """ESTIMATE_LAUNCH["int8_convert"] -> kernel_moira_estimate's INT8_CONVERT
-    for an estimator with ``num_top`` stored keys on tiles of ``tile_pages``."""
-    if name == "auto":
-        name = "imma" if num_top > 0 or tile_pages >= 64 else "prmt"
-    if name == "bf16":
-        return 0
-    if name == "prmt":
-        return 1 if _triton_interpreting() else 2
-    if name == "imma":
-        return 3
-    raise ValueError(
-        f"ESTIMATE_LAUNCH['int8_convert'] must be 'auto', 'prmt', 'bf16' or 'imma', got {name!r}"
-    )
-
-
-def _estimate_rows(group_size: int, int8_digits: bool) -> int:
+def _estimate_rows(group_size: int, int8: bool) -> int:
     """Query-head columns of Estimate's [pages, heads] tiles: GROUP_ROWS for
     bf16 products (tl.dot's 16-row minimum), G padded to a power of two and to
-    4 for int8 digit products, whose 4 digits per head fill the 16 columns."""
-    if int8_digits:
+    4 for int8 summaries' digit products, whose 4 digits per head fill the 16
+    columns."""
+    if int8:
         return max(4, triton.next_power_of_2(group_size))
     return _group_rows(group_size)
 
@@ -526,8 +469,7 @@ def _register_cap(maxnreg: int | None) -> dict[str, int]:
 
 
 def _dependent_launch() -> dict[str, Any]:
-    """USE_GDC / EARLY_TRIGGER flags and the launch option of a decode-step
-    kernel (DECODE_LAUNCH). Empty (plain launches, where stream order starts
+    """USE_GDC flag and the launch option of a decode-step kernel (DECODE_LAUNCH). Empty (plain launches, where stream order starts
     each kernel after the previous one) under the interpreter, without
     Triton's grid dependency control, and off a Hopper GPU."""
     on = (
@@ -539,22 +481,18 @@ def _dependent_launch() -> dict[str, Any]:
     )
     if not on:
         return {}
-    return {"USE_GDC": True, "EARLY_TRIGGER": bool(DECODE_LAUNCH["early_trigger"]),
-            "launch_pdl": True}  # fmt: skip
+    return {"USE_GDC": True, "launch_pdl": True}
 
 
 @triton.jit
-def _wait_for_previous_kernel(USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
     # Under a dependent launch this kernel's blocks may start before the
     # previous kernel has finished: wait until its memory is visible before
-    # any load or store. EARLY_TRIGGER then lets the next kernel's blocks be
-    # scheduled (they wait in turn, so every kernel still sees all earlier
-    # ones complete); otherwise they are scheduled as this kernel's blocks
-    # exit.
+    # any load or store. The next kernel's blocks are scheduled as this
+    # kernel's blocks exit, and wait in turn, so every kernel sees all earlier
+    # ones complete.
     if USE_GDC:
         gdc_wait()
-        if EARLY_TRIGGER:
-            gdc_launch_dependents()
 
 
 def resolve_attend_fill_blocks(config: MoiraConfig, device: torch.device | str) -> int:
@@ -676,19 +614,6 @@ def _store_int4_key_pair(
 
 
 @triton.jit
-def _int4_key_pair(packed):
-    # Stored keys 2 i and 2 i + 1 of row 2 + i (_store_int4_key_pair) as int8
-    # values in [-7, 7]: the odd key is floor(byte / 16), the even key the
-    # low nibble minus 8. In int32 arithmetic, which is the same on the GPU
-    # and in the interpreter. For the int8 conversions other than "imma",
-    # which take the keys one by one (_int4_pair_digit_dots does not unpack).
-    x = packed.to(tl.int32)
-    odd = x >> 4
-    even = (x & 15) - 8
-    return even.to(tl.int8), odd.to(tl.int8)
-
-
-@triton.jit
 def _summarize_page(
     page_keys,  # this (block, KV head)'s keys: [PAGE_SIZE, HEAD_SIZE] at stride_kv_token
     out,  # its summary: [2 + NUM_TOP, HEAD_SIZE] bf16 or int8
@@ -705,8 +630,8 @@ def _summarize_page(
     # The summary of one full page, from its 64 keys in the cache. Shared by
     # the summary writer (prefill) and Estimate (a decode row's page that its
     # new token filled), so both store the same bits.
-    # NUM_TOP = 0 (mvar, mvar_rem): slot 0 = mean, slot 1 = variance of the
-    # 64 keys. NUM_TOP = r > 0 (mvar_top{r}): slots 2 .. 1 + r = the r keys
+    # NUM_TOP = 0 (mvar): slot 0 = mean, slot 1 = variance of the 64 keys.
+    # NUM_TOP = r > 0 (mvar_top8): slots 2 .. 1 + r = the r keys
     # farthest (L2) from the mean of the 64 keys, farthest first (ties: lower
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
     # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
@@ -790,7 +715,6 @@ def kernel_moira_write_summaries(
     KV_FP8: tl.constexpr = False,
     INT4: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # One program per (window of WINDOW_TOKENS tokens, KV head). It summarizes
     # the pages that its tokens fill (a token at page offset PAGE_SIZE - 1),
@@ -800,7 +724,7 @@ def kernel_moira_write_summaries(
     # over all of its tokens (_summarize_page: the slots). The decode step
     # does not launch it: Estimate summarizes the pages that the decode rows'
     # new tokens fill (WRITE_FILLED_PAGE).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     window = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, WINDOW_TOKENS)
@@ -835,8 +759,8 @@ def write_page_summaries(
     ``[num_blocks, H_kv, 2 + r, D]`` bf16, ``[num_blocks, H_kv, 2 + r + 1, D]``
     int8 (the last row holds the slots' fp32 scales), or ``[num_blocks, H_kv, 2 +
     r / 2 + 1, D]`` uint8 (int4 stored keys, two per row): its slot count selects
-    the summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
-    bulk mean and variance and the r farthest keys, for mvar_top{r}).
+    the summary (2: mean and variance of the 64 keys, for mvar; 2 + r: bulk mean
+    and variance and the r farthest keys, for mvar_top8).
     It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
     that decode rows fill (``write_filled_pages``), so that both store the
     same bits (the per-channel sums are reduced in the order of the warps'
@@ -966,8 +890,8 @@ def verify_page_summaries(
 
 def _integer_slots(summaries: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 or int4 (uint8) summaries ``[..., rows, D]`` as (the slots' integer values,
-    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _int4_key_pair reads
-    them; their fp32 scales ``[..., num_slots]``)."""
+    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _store_int4_key_pair
+    packs them; their fp32 scales ``[..., num_slots]``)."""
     x = summaries.view(torch.int8)
     scales = x[..., -1, : 4 * num_slots].clone().view(torch.float32)
     if summaries.dtype == torch.int8:
@@ -987,7 +911,7 @@ def _fp16_query(q):
     # The bf16 query for products with fp8 K/V pages, which are converted to
     # fp16 (e4m3 -> fp16 is one exact conversion per two values; to bf16 it
     # takes three). bf16 values are exact in fp16 over its normal range; the
-    # clamp only keeps an absurd query finite, as Estimate's q_f16.
+    # clamp only keeps an absurd query finite.
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
@@ -1038,53 +962,6 @@ def _is_dense_row(num_pages, selector_ptr):
     # Select writes its whole list; both decide with this one test.
     dense_pages = tl.load(selector_ptr + 3)
     return (num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages
-
-
-@triton.jit
-def _int8_to_bf16(x):
-    # Exact int8 -> bf16 in integer and fp32 arithmetic instead of the two
-    # hardware conversions (int8 -> fp32 -> bf16): the fp32 bits of
-    # 2^23 + 128 + v hold v + 128 in the mantissa (one integer add), one fp32
-    # subtraction gives v, and since |v| <= 128 has at most 8 significant bits
-    # its fp32 bits end in 16 zeros: the upper half is v in bf16 (a shift).
-    # Also avoids the interpreter's bit reinterpretation on a direct cast.
-    bits = x.to(tl.int32) + 0x4B000080
-    value = bits.to(tl.float32, bitcast=True) - 8388736.0
-    upper = value.to(tl.int32, bitcast=True) >> 16
-    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _int8_to_fp16(x, PRMT: tl.constexpr):
-    # Exact int8 -> fp16, four values per 32-bit register (PRMT, on the GPU):
-    # u = v + 128 is v with its sign bit flipped (one xor for four bytes);
-    # byte permutes put 0x64 above each u, i.e. the fp16 bits of 1024 + u
-    # (fp16 steps by 1 in [1024, 2048)); one packed subtraction of 1152 per
-    # two values gives v. Five instructions per four values against ~4 per
-    # value for _int8_to_bf16 (bf16 has one mantissa bit too few for the
-    # trick); Estimate on int8 summaries is bound by instruction issue.
-    # PRMT False (the interpreter, which has no inline PTX): the plain cast,
-    # the same values.
-    if PRMT:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u, high, magic;
-            mov.b32 high, 0x64646464;
-            mov.b32 magic, 0x64806480;
-            xor.b32 u, $2, 0x80808080;
-            prmt.b32 $0, u, high, 0x5140;
-            prmt.b32 $1, u, high, 0x7362;
-            sub.rn.f16x2 $0, $0, magic;
-            sub.rn.f16x2 $1, $1, magic;
-            }""",
-            constraints="=r,=r,r",
-            args=[x],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        return x.to(tl.float16)
 
 
 @triton.jit
@@ -1149,8 +1026,8 @@ def _int4_pair_digit_dots(
     # per-key unpacking: the byte is 16 odd + (even + 8) (_store_int4_key_pair),
     # so its high nibble in place (byte & 0xF0 = 16 odd) and its low nibble
     # (even + 8) are valid int8 operands as they are, one bitwise AND per byte
-    # each, where unpacking both keys took about 2.6 times the instructions
-    # of an int8 key's loop body (the sm_90 SASS). Then q.odd = q.(16 odd) / 16
+    # each, where unpacking both keys costs several instructions per key on
+    # an issue-bound loop. Then q.odd = q.(16 odd) / 16
     # and q.even = q.(even + 8) - 8 sum(digits), exact in int32 (|products| <
     # 2^21): the same integers as the unpacked keys' products, so the same
     # bits. Returns (even, odd) logits [TILE_PAGES, ROWS] fp32, before the
@@ -1166,23 +1043,6 @@ def _int4_pair_digit_dots(
 
 
 @triton.jit
-def _int8_slot_dot(
-    slot, q, q_f16, q_digits, q_step, TILE_PAGES: tl.constexpr, EST_ROWS: tl.constexpr,
-    INT8_CONVERT: tl.constexpr,
-):  # fmt: skip
-    # [TILE_PAGES, HEAD_SIZE] int8 slot values times q^T on the tensor cores:
-    # [TILE_PAGES, EST_ROWS] fp32, before the slot's scale. INT8_CONVERT:
-    # 0 = bf16 (_int8_to_bf16), 1 = fp16 by casts, 2 = fp16 by byte permutes,
-    # 3 = the slot as stored against q's int8 digits (_int8_digit_dot).
-    if INT8_CONVERT == 0:
-        return tl.dot(_int8_to_bf16(slot), tl.trans(q))
-    elif INT8_CONVERT == 3:
-        return _int8_digit_dot(slot, q_digits, q_step, TILE_PAGES, EST_ROWS)
-    else:
-        return tl.dot(_int8_to_fp16(slot, INT8_CONVERT == 2), tl.trans(q_f16))
-
-
-@triton.jit
 def _add_stored_key(
     peak,  # [TILE_PAGES, EST_ROWS] fp32 running max of the page's log-terms
     total,  # [TILE_PAGES, EST_ROWS] fp32 running sum of exp(term - peak)
@@ -1190,7 +1050,6 @@ def _add_stored_key(
     page_scales,  # [TILE_PAGES] pointers to the pages' slot scales (if INT8)
     j,  # stored key index (slot 2 + j)
     q,
-    q_f16,
     q_digits,
     q_step,
     scale,
@@ -1198,11 +1057,10 @@ def _add_stored_key(
     TILE_PAGES: tl.constexpr,
     EST_ROWS: tl.constexpr,
     INT8: tl.constexpr,
-    INT8_CONVERT: tl.constexpr,
 ):
     # One stored key's exact logits, folded into the online logaddexp.
     if INT8:
-        logit = _int8_slot_dot(key, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
+        logit = _int8_digit_dot(key, q_digits, q_step, TILE_PAGES, EST_ROWS)
     else:
         logit = tl.dot(key, tl.trans(q))
     return _fold_key_logit(peak, total, logit, page_scales, j, scale, mask_p, INT8)
@@ -1223,12 +1081,11 @@ def _fold_key_logit(peak, total, logit, page_scales, j, scale, mask_p, INT8: tl.
 @triton.jit
 def _summary_tile_logmass(
     q,  # [EST_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
-    q_f16,  # [EST_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT in (1, 2))
-    q_sq_hi,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
-    q_sq_lo,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
-    q_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: q's digits (if INT8_CONVERT == 3)
+    q_sq_hi,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2, high part (if not INT8)
+    q_sq_lo,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part (if not INT8)
+    q_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: q's digits (if INT8)
     q_step,  # [EST_ROWS, 4] fp32: their steps
-    sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8_CONVERT == 3)
+    sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8)
     sq_step,  # [EST_ROWS, 4] fp32: their steps
     scale,
     summaries_ptr,
@@ -1245,26 +1102,20 @@ def _summary_tile_logmass(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
-    REM_SPREAD: tl.constexpr,
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KEY_STAGES: tl.constexpr,
-    INT8_CONVERT: tl.constexpr,
     INT4: tl.constexpr = False,
 ):
     # The summary estimate of one tile of pages, all G query heads at once on
     # the tensor cores: [TILE_PAGES, EST_ROWS] fp32. Products of bf16 values
     # are exact in the fp32 accumulator, so the mean term is fp32-exact up to
     # summation order; (s q)^2 is split into two bf16 parts (hi + lo) so the
-    # spread term keeps ~16 significant bits. INT8 summaries: the int8 values
-    # are exact in fp16 and bf16, so each slot's product is taken as stored
-    # and scaled by the slot's fp32 scale afterwards (one multiply per page);
-    # the mean and the stored keys meet q in fp16 (INT8_CONVERT > 0; exact for
-    # |q| in [2^-17, 65504], so the products are the bf16 ones) or bf16, the
-    # variance meets the bf16 parts of (s q)^2. INT8_CONVERT == 3: every int8
-    # slot, the variance too, meets the int8 digits of q or (s q)^2 as stored
+    # spread term keeps ~16 significant bits. INT8 summaries: every slot, the
+    # variance too, meets the int8 digits of q or (s q)^2 as stored
     # (_int8_digits: exact to 2^-27 of the row's largest value), one int32
-    # product per slot with all heads' digits in its 16+ columns.
+    # product per slot with all heads' digits in its 16+ columns, scaled by
+    # the slot's fp32 scale afterwards (one multiply per page).
     offs_d = tl.arange(0, HEAD_SIZE)
     blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
     summary = (
@@ -1282,21 +1133,16 @@ def _summary_tile_logmass(
 
     # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, EST_ROWS]
     if INT8:
-        est = _int8_slot_dot(mean, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
+        est = _int8_digit_dot(mean, q_digits, q_step, TILE_PAGES, EST_ROWS)
         est = est * scale * mean_scale
-        if INT8_CONVERT == 3:
-            v = _int8_digit_dot(var, sq_digits, sq_step, TILE_PAGES, EST_ROWS)
-        else:
-            var = _int8_to_bf16(var)
-            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-        v = v * var_scale
+        v = _int8_digit_dot(var, sq_digits, sq_step, TILE_PAGES, EST_ROWS) * var_scale
     else:
         est = tl.dot(mean, tl.trans(q)) * scale
         v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-    if REM_SPREAD:
-        # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of the
-        # random energy model over the m = 64 - r summarized keys, v / 2 up to
-        # v = 2 ln m, then linear in sqrt(v).
+    if NUM_TOP > 0:
+        # mvar_top8: the spread term of the random energy model over the
+        # m = 64 - r summarized keys, v / 2 up to v = 2 ln m, then linear in
+        # sqrt(v).
         log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
         v = tl.maximum(v, 0.0)
         spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
@@ -1311,43 +1157,31 @@ def _summary_tile_logmass(
         total = tl.full([TILE_PAGES, EST_ROWS], 1.0, tl.float32)
         # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
         # keys' tiles are copied into shared memory while this key's product
-        # runs), faster than the unrolled keys (docs/design.md). INT4: one
-        # load per pair of keys (row 2 + i holds keys 2 i and 2 i + 1), whose
-        # products with q are those of int8 keys, in the same order.
+        # runs), faster than the unrolled keys. INT4: one load per pair of
+        # keys (row 2 + i holds keys 2 i and 2 i + 1), whose products with q
+        # are those of int8 keys, in the same order.
         if INT4:
-            if INT8_CONVERT == 3:
-                # Each head digit's sum over the channels: [4 * EST_ROWS] int32.
-                digit_sums = tl.sum(q_digits.to(tl.int32), axis=1)
+            # Each head digit's sum over the channels: [4 * EST_ROWS] int32.
+            digit_sums = tl.sum(q_digits.to(tl.int32), axis=1)
             for i in tl.range(0, NUM_TOP // 2, num_stages=KEY_STAGES):
                 packed = tl.load(summary + (2 + i) * HEAD_SIZE + offs_d[None, :],
                                  mask=mask_p[:, None], other=0)  # fmt: skip
-                if INT8_CONVERT == 3:
-                    even, odd = _int4_pair_digit_dots(
-                        packed, q_digits, digit_sums, q_step, TILE_PAGES, EST_ROWS
-                    )
-                    peak, total = _fold_key_logit(
-                        peak, total, even, page_scales, 2 * i, scale, mask_p, INT8
-                    )
-                    peak, total = _fold_key_logit(
-                        peak, total, odd, page_scales, 2 * i + 1, scale, mask_p, INT8
-                    )
-                else:
-                    even, odd = _int4_key_pair(packed)
-                    peak, total = _add_stored_key(
-                        peak, total, even, page_scales, 2 * i, q, q_f16, q_digits, q_step,
-                        scale, mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
-                    )  # fmt: skip
-                    peak, total = _add_stored_key(
-                        peak, total, odd, page_scales, 2 * i + 1, q, q_f16, q_digits, q_step,
-                        scale, mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
-                    )  # fmt: skip
+                even, odd = _int4_pair_digit_dots(
+                    packed, q_digits, digit_sums, q_step, TILE_PAGES, EST_ROWS
+                )
+                peak, total = _fold_key_logit(
+                    peak, total, even, page_scales, 2 * i, scale, mask_p, INT8
+                )
+                peak, total = _fold_key_logit(
+                    peak, total, odd, page_scales, 2 * i + 1, scale, mask_p, INT8
+                )
         else:
             for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
                 key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
                               mask=mask_p[:, None], other=0.0)  # fmt: skip
                 peak, total = _add_stored_key(
-                    peak, total, key, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
-                    TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                    peak, total, key, page_scales, j, q, q_digits, q_step, scale, mask_p,
+                    TILE_PAGES, EST_ROWS, INT8,
                 )  # fmt: skip
         est = peak + tl.log(total)
     return est
@@ -1385,18 +1219,15 @@ def kernel_moira_estimate(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_PAGES: tl.constexpr,
-    REM_SPREAD: tl.constexpr = False,
     NUM_TOP: tl.constexpr = 0,
     SKIP_DENSE_ROWS: tl.constexpr = False,
     INT8: tl.constexpr = False,
     KEY_STAGES: tl.constexpr = 1,
-    INT8_CONVERT: tl.constexpr = 0,
     RESET_LIST_PAGES: tl.constexpr = False,
     WRITE_FILLED_PAGE: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
     INT4: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
@@ -1412,7 +1243,7 @@ def kernel_moira_estimate(
     # kernel's end. Nothing that kernel writes is read, and nothing is
     # stored, before the wait.
     seq_len = tl.load(seq_lens_ptr + row)
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     # Select (the next kernel) adds every list's length to this total, which
     # sizes Attend's chunks; one program zeroes it for the step. (The outer
     # test is a constexpr: without it the store is not compiled at all.)
@@ -1464,19 +1295,15 @@ def kernel_moira_estimate(
         )
         q_scaled = q_rows.to(tl.float32) * scale
         q_sq = q_scaled * q_scaled
-        if INT8 and INT8_CONVERT == 3:
+        if INT8:
             q_digits, q_step = _int8_digits(q_rows.to(tl.float32), EST_ROWS, HEAD_SIZE)
             sq_digits, sq_step = _int8_digits(q_sq, EST_ROWS, HEAD_SIZE)
             # Unused on this path.
-            q_f16 = q_rows
             q_sq_hi = q_rows
             q_sq_lo = q_rows
         else:
             q_sq_hi = q_sq.to(tl.bfloat16)
             q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
-            # fp16 has the range for any real query; the clamp only keeps an
-            # absurd one finite.
-            q_f16 = tl.clamp(q_rows.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             # Unused on this path.
             q_digits = q_rows
             q_step = q_sq
@@ -1486,11 +1313,10 @@ def kernel_moira_estimate(
         # Page 0 and the current page belong to the exact programs.
         mask_p = (pages > 0) & (pages < last)
         est = _summary_tile_logmass(
-            q_rows, q_f16, q_sq_hi, q_sq_lo, q_digits, q_step, sq_digits, sq_step, scale,
+            q_rows, q_sq_hi, q_sq_lo, q_digits, q_step, sq_digits, sq_step, scale,
             summaries_ptr, scales_ptr, block_table_ptr + row * stride_bt_row, pages, mask_p,
             head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
-            EST_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
-            KEY_STAGES, INT8_CONVERT, INT4,
+            EST_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, NUM_TOP, INT8, KEY_STAGES, INT4,
         )  # fmt: skip
         tl.store(
             lm_row + offs_e[None, :] * stride_lm_group + pages[:, None],
@@ -1576,7 +1402,6 @@ def estimate_page_logmass(
     assert logmass.shape[2] == group_size
     kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
     tile_pages = _estimate_tile_pages(ESTIMATE_LAUNCH["tile_pages"], num_top, int8)
-    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"], num_top, tile_pages)
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
     kernel_moira_estimate[grid](
@@ -1596,16 +1421,14 @@ def estimate_page_logmass(
         *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
         GROUP_SIZE=group_size,
         GROUP_ROWS=_group_rows(group_size),
-        EST_ROWS=_estimate_rows(group_size, int8 and int8_convert == 3),
+        EST_ROWS=_estimate_rows(group_size, int8),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         TILE_PAGES=tile_pages,
-        REM_SPREAD=estimator != "mvar",
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=int8,
         KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
-        INT8_CONVERT=int8_convert,
         RESET_LIST_PAGES=list_pages is not None,
         WRITE_FILLED_PAGE=write_filled_pages,
         KV_FP8=kv_fp8,
@@ -1916,7 +1739,6 @@ def kernel_moira_select(
     HAS_LIST_PAGES: tl.constexpr = False,
     STORE_STATS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # STORE_STATS: the first of refine="wide"'s two Selects (_select_row):
     # statistics instead of the list, nothing counted.
@@ -1943,7 +1765,7 @@ def kernel_moira_select(
         row_gamma = tl.load(row_gamma_ptr + row)
         gamma = tl.where(row_gamma > 0.0, row_gamma, gamma)
     dense_row = _is_dense_row(num_pages, selector_ptr)
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     count_ptr = page_count_ptr + row * stride_pc_row + head
     stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
     if STORE_STATS:
@@ -2075,27 +1897,13 @@ def select_pages(
 # REFINE_LAUNCH["tile_pages"]: pages per refine tile (the candidate test is
 # one [G, pages] tile; tl.dot needs at least 16). A program refines a tile's
 # pages one after another, so smaller tiles spread a list's refined pages over
-# more programs: 16-page tiles take Estimate + Select with refine="wide" from
-# 186 to 102 us at 32x8192 (21% of pages refined) and from 625 to 508 us at
-# 4x131072 (every page refined) on an H100, with the same lists.
-# kernel_moira_refine's loop over the pages it refines. pipeline_stages 0:
-# every page of the tile in turn, a branch per page (each page's keys load
-# behind the previous page's softmax: 8 synchronous 16-byte loads per thread
-# and page in the sm_90 SASS; ~1.9 TB/s on the H200 with every page refined).
-# k > 0: the refined pages compacted first, then a loop over them that Triton
-# software-pipelines k deep (asynchronous copies of the next pages' keys).
-# The same log-masses and lists either way. 3 stages (64-page tiles): Estimate +
-# Select with refine="wide" on the H200 takes 182 us against the serial loop's
-# 266 at 32x8192 with 21% of pages refined (the refined pages' key loads
-# overlap), and 598 against 590 us at 4x131072 with every page refined.
-# REFINE_LAUNCH["step_programs"]: about how many refine programs a step
-# launches (refine_programs_per_list). The grid depends only on the step's
-# rows and max_model_len, not on the rows' lengths, so one program per tile
-# launches a program for every tile of max_model_len: 32768 programs at
-# 32x8192 under a 130k max_model_len, most of which find their row shorter
-# and return, a launch paid per layer and step even where nothing is refined
-# (fixed count). Capped, a program takes every P-th tile of its list; at
-# batch 4 x 8 KV heads, 4096 programs are still one per tile of a 131k row.
+# more programs. "pipeline_stages": depth of the software-pipelined loop over
+# a tile's refined pages (compacted first), so the next pages' keys are copied
+# while this page's softmax runs. "step_programs": about how many refine
+# programs a step launches (refine_programs_per_list): the grid depends only on
+# the step's rows and max_model_len, so one program per tile of max_model_len
+# would launch, per layer and step, programs that mostly find their row shorter;
+# capped, a program takes every P-th tile of its list.
 REFINE_LAUNCH: dict[str, Any] = {
     "pipeline_stages": 3,
     "num_warps": 4,
@@ -2166,7 +1974,6 @@ def kernel_moira_refine(
     KV_FP8: tl.constexpr,
     PIPELINE_STAGES: tl.constexpr,  # REFINE_LAUNCH["pipeline_stages"]
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # Programs (row, KV head, p): program p of a list takes its tiles of
     # TILE_PAGES pages p, p + P, p + 2P, ... (P = the grid's third extent,
@@ -2184,7 +1991,7 @@ def kernel_moira_refine(
     first_tile = tl.program_id(2)
     tile_step = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + row)
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     num_tiles = tl.cdiv(num_pages, TILE_PAGES)
     if first_tile >= num_tiles:
@@ -2247,26 +2054,17 @@ def kernel_moira_refine(
             v = tl.dot(var, tl.trans(xq * xq), input_precision="ieee")  # [TILE_PAGES, GROUP_ROWS]
             v_mean = tl.sum(tl.where(mask_g[None, :], v, 0.0), axis=1) / GROUP_SIZE
             refine = candidate & (v_mean >= wide_min_v)
-            if PIPELINE_STAGES == 0:
-                for i in range(TILE_PAGES):
-                    if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
-                        _refine_page(
-                            tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head,
-                            k_scale, offs_g, mask_g, stride_kv_block, stride_kv_head,
-                            stride_kv_token, stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-                        )  # fmt: skip
-            else:
-                # The refined pages in page order (their rank among the tile's
-                # refined pages), then one loop iteration per refined page, no branch.
-                rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
-                num_refined = tl.sum(refine.to(tl.int32), axis=0)
-                for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
-                    i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
-                    _refine_page(
-                        tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head,
-                        k_scale, offs_g, mask_g, stride_kv_block, stride_kv_head,
-                        stride_kv_token, stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-                    )  # fmt: skip
+            # The refined pages in page order (their rank among the tile's
+            # refined pages), then one loop iteration per refined page, no branch.
+            rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
+            num_refined = tl.sum(refine.to(tl.int32), axis=0)
+            for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
+                i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
+                _refine_page(
+                    tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
+                    offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
+                    stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -2311,9 +2109,9 @@ def refine_page_logmass(
     assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     stages = REFINE_LAUNCH["pipeline_stages"]
-    if not isinstance(stages, int) or not 0 <= stages <= 6:
+    if not isinstance(stages, int) or not 1 <= stages <= 6:
         raise ValueError(
-            f"Moira: REFINE_LAUNCH['pipeline_stages'] must be an integer in 0..6, got {stages!r}"
+            f"Moira: REFINE_LAUNCH['pipeline_stages'] must be an integer in 1..6, got {stages!r}"
         )
     tile_pages = REFINE_LAUNCH["tile_pages"]
     if tile_pages not in _REFINE_TILE_PAGES_ALLOWED:
@@ -2358,21 +2156,8 @@ def refine_page_logmass(
 
 
 # ==========================================================================
-# Attend (Eq. 4, Alg. 2)
+# Attend (Eq. 4): N_F blocks share the step's pages evenly
 # ==========================================================================
-@triton.jit
-def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
-    # Pages per Attend chunk of a list of n pages (Eq. 4 with a fill rule):
-    # at least ceil(n / J) so that J blocks cover the list; otherwise C, or
-    # less when the step's lists (list_pages pages in all) could not give
-    # fill_blocks blocks C pages each (batch 1, short rows). The fill term is
-    # the same for every list, so chunks are even across lists of different
-    # lengths (a long list gets more chunks, not longer ones).
-    fill = tl.cdiv(list_pages, fill_blocks)
-    chunk = tl.maximum(tl.cdiv(n, num_splits), tl.minimum(min_chunk_pages, fill))
-    return tl.maximum(chunk, 1)
-
-
 @triton.jit
 def _attend_list_pages(
     q_row_ptr,  # [num_q_heads, HEAD_SIZE] bf16: the row's query
@@ -2394,25 +2179,16 @@ def _attend_list_pages(
     HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
 ):
-    # Online softmax of the G query heads over list entries [start, end):
-    # returns the unnormalized output, the running max (base 2) and sum.
-    # KV_FP8: the pages' e4m3 K and V are converted to fp16 (exact) and meet
-    # q and p in fp16; the layer's scales are per tensor, so k_scale joins the
-    # softmax scale and v_scale multiplies the chunk's output once, which is
-    # attention over the dequantized K and V. A plain cast, which Triton moves
-    # to the dot operands' layout: on sm_90 V's 8-bit tile is then read from
-    # shared memory a byte at a time (ldmatrix cannot transpose 8-bit
-    # operands), yet a PTX cast in the loaded tile's layout, which sends fp16
-    # tiles through shared memory to ldmatrix instead, made Attend slower on
-    # the H200 (117.5 against 86.8 us at 4x131072, 69.1 against 54.2 us at 32x8192).
-    # TILE_PAGES list entries per iteration: one K and one V tile of
-    # TILE_PAGES * PAGE_SIZE tokens gathered from as many blocks. An fp8 page
-    # is half a bf16 page's bytes, so one page per iteration leaves fewer
-    # bytes in flight behind each iteration's dependent loads (list entry ->
-    # block table -> tile); a wider tile puts them back.
-    offs_t = tl.arange(0, TILE_PAGES * PAGE_SIZE)
+    # Online softmax of the G query heads over list entries [start, end), one
+    # page per iteration: returns the unnormalized output, the running max
+    # (base 2) and sum. KV_FP8: the pages' e4m3 K and V are converted to fp16
+    # (exact) and meet q and p in fp16; the layer's scales are per tensor, so
+    # k_scale joins the softmax scale and v_scale multiplies the chunk's output
+    # once, which is attention over the dequantized K and V. A plain cast,
+    # which Triton moves to the dot operands' layout: converting in the loaded
+    # tile's layout instead (so V reaches ldmatrix as fp16) is slower.
+    offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     q = tl.load(
         q_row_ptr + q_heads[:, None] * stride_q_head + offs_d[None, :],
@@ -2427,23 +2203,11 @@ def _attend_list_pages(
     running_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, HEAD_SIZE], tl.float32)
-    for i in range(start, end, TILE_PAGES):
-        if TILE_PAGES == 1:
-            page = tl.load(pages_ptr + i)
-            block = tl.load(block_table_row_ptr + page).to(tl.int64)
-            mask_t = offs_t < seq_len - page * PAGE_SIZE
-            tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
-        else:
-            # Tile token t is token t % PAGE_SIZE of list entry i + t // PAGE_SIZE;
-            # entries past `end` (the last tile of an uneven run) are masked,
-            # and entry i always holds a token, so no tile row is all -inf.
-            entry = i + offs_t // PAGE_SIZE
-            in_run = entry < end
-            page = tl.load(pages_ptr + entry, mask=in_run, other=0)
-            block = tl.load(block_table_row_ptr + page, mask=in_run, other=0).to(tl.int64)
-            token = offs_t % PAGE_SIZE
-            mask_t = in_run & (token < seq_len - page * PAGE_SIZE)
-            tile = kv_head_ptr + block[:, None] * stride_kv_block + token[:, None] * stride_kv_token
+    for i in range(start, end):
+        page = tl.load(pages_ptr + i)
+        block = tl.load(block_table_row_ptr + page).to(tl.int64)
+        mask_t = offs_t < seq_len - page * PAGE_SIZE
+        tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
         k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         if KV_FP8:
@@ -2462,102 +2226,9 @@ def _attend_list_pages(
     return acc, running_max, running_sum
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
-def kernel_moira_attend(
-    query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
-    block_table_ptr,  # [num_rows, max_blocks] int32
-    seq_lens_ptr,  # [num_rows] int32
-    page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, 1-chunk rows)
-    partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32 (out)
-    partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32 (out)
-    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
-    v_scale_ptr,  # [1] fp32: the layer's V dequantization scale (if KV_FP8)
-    scale,
-    num_splits,
-    min_chunk_pages,
-    fill_blocks,
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_bt_row: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
-    TILE_PAGES: tl.constexpr = 1,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # Block (row, KV head, j) plans its own work (Alg. 2): it reads the
-    # list length n from device memory, cuts the row into chunks of
-    # c = _chunk_pages(n) pages and takes chunk j, or exits. All G query
-    # heads of the KV head share each K/V tile, so every byte is read once.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    n = tl.load(page_count_ptr + row * stride_pc_row + head)
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
-    num_chunks = tl.cdiv(n, chunk)
-    if split >= num_chunks:
-        return
-    seq_len = tl.load(seq_lens_ptr + row)
-
-    offs_g = tl.arange(0, GROUP_ROWS)
-    offs_d = tl.arange(0, HEAD_SIZE)
-    mask_g = offs_g < GROUP_SIZE
-    q_heads = head * GROUP_SIZE + offs_g
-    start = split * chunk
-    end = tl.minimum(start + chunk, n)
-    k_scale = 1.0
-    v_scale = 1.0
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    acc, running_max, running_sum = _attend_list_pages(
-        query_ptr + row * stride_q_row,
-        kv_cache_ptr + head * stride_kv_head,
-        block_table_ptr + row * stride_bt_row,
-        page_list_ptr + row * stride_pl_row + head * stride_pl_head,
-        seq_len, start, end, scale, k_scale, v_scale, q_heads, mask_g, stride_q_head,
-        stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, KV_FP8, TILE_PAGES,
-    )  # fmt: skip
-
-    acc = acc / running_sum[:, None]
-    if num_chunks == 1:
-        tl.store(
-            output_ptr + row * stride_o_row + q_heads[:, None] * stride_o_head + offs_d[None, :],
-            acc.to(output_ptr.dtype.element_ty),
-            mask=mask_g[:, None],
-        )
-    else:
-        part = (row * num_splits + split).to(tl.int64) * tl.num_programs(1) * GROUP_SIZE
-        tl.store(
-            partial_out_ptr + (part + q_heads[:, None]) * HEAD_SIZE + offs_d[None, :],
-            acc,
-            mask=mask_g[:, None],
-        )
-        lse = (running_max + tl.log2(running_sum)) * 0.6931471805599453
-        tl.store(partial_lse_ptr + part + q_heads, lse, mask=mask_g)
-
-
 @triton.jit
 def _step_pages_per_block(list_pages_ptr, num_blocks):
-    # Pages per block of the "pages" schedule: the step's list pages P over
-    # its N_F blocks, so that ceil(P / chunk) <= N_F blocks cover them.
+    # Pages per Attend block: the step's list pages P over its N_F blocks, so that ceil(P / chunk) <= N_F blocks cover them.
     return tl.maximum(tl.cdiv(tl.load(list_pages_ptr), num_blocks), 1)
 
 
@@ -2589,7 +2260,7 @@ def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, p
 
 
 @triton.jit(do_not_specialize=["num_lists", "num_blocks"])
-def kernel_moira_attend_pages(
+def kernel_moira_attend(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
     block_table_ptr,  # [num_rows, max_blocks] int32
@@ -2624,12 +2295,11 @@ def kernel_moira_attend_pages(
     PAGE_SIZE: tl.constexpr,
     LISTS_TILE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
-    TILE_PAGES: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
-    # Block b plans its own work from device memory, like Alg. 2, but over
-    # the whole step: the step's lists laid end to end (list index = row *
+    # Block b plans its own work from device memory (paper Alg. 2 plans per
+    # list; this plans over the whole step, so uneven lists leave no block
+    # with more work than another): the step's lists laid end to end (list index = row *
     # num_kv_heads + head) are cut into num_blocks runs of the same number
     # of pages, and block b takes run b. A run that crosses list boundaries
     # is attended one list part at a time. A list that lies inside one run is
@@ -2637,7 +2307,7 @@ def kernel_moira_attend_pages(
     # partial slot (b + list), which is unique because from one part to the
     # next along the step either b or the list (or both) grows. Merge finds a
     # list's parts from its first position (list_start).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     block_id = tl.program_id(0)
     list_pages = tl.load(list_pages_ptr)
     chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
@@ -2672,7 +2342,7 @@ def kernel_moira_attend_pages(
                 page_list_ptr + row * stride_pl_row + head * stride_pl_head,
                 tl.load(seq_lens_ptr + row), lo, hi, scale, k_scale, v_scale, q_heads, mask_g,
                 stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE,
-                PAGE_SIZE, KV_FP8, TILE_PAGES,
+                PAGE_SIZE, KV_FP8,
             )  # fmt: skip
             acc = acc / running_sum[:, None]
             if (lo == 0) & (hi == n):
@@ -2735,46 +2405,8 @@ def _merge_chunks(
     tl.store(out_ptr + offs_d, (acc / running_sum).to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
-def kernel_moira_merge(
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32
-    partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32
-    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
-    num_splits,
-    min_chunk_pages,
-    fill_blocks,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # One program per (row, query head): log-sum-exp combine of the row's
-    # chunks. Single-chunk rows were written by Attend and exit here.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    row = tl.program_id(0)
-    q_head = tl.program_id(1)
-    num_q_heads = tl.num_programs(1)
-    n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
-    # The same chunking as Attend's.
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
-    num_chunks = tl.cdiv(n, chunk)
-    if num_chunks <= 1:
-        return
-    first_part = (row * num_splits).to(tl.int64) * num_q_heads + q_head
-    _merge_chunks(partial_out_ptr, partial_lse_ptr,
-                  output_ptr + row * stride_o_row + q_head * stride_o_head,
-                  first_part, num_q_heads, num_chunks, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["num_blocks"])
-def kernel_moira_merge_pages(
+def kernel_moira_merge(
     page_count_ptr,  # [max_rows, num_kv_heads] int32
     list_pages_ptr,  # [1] int32: pages in all the lists of the step
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32
@@ -2789,12 +2421,11 @@ def kernel_moira_merge_pages(
     HEAD_SIZE: tl.constexpr,
     TILE_CHUNKS: tl.constexpr,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
-    # One program per (row, query head) after kernel_moira_attend_pages: the
+    # One program per (row, query head) after kernel_moira_attend: the
     # list's parts are blocks first .. last of its run, in slots b + list.
     # Lists inside one run were written by Attend and exit here.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     row = tl.program_id(0)
     q_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1) // GROUP_SIZE
@@ -2834,108 +2465,62 @@ def attend(
     ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
     page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
-    The split constants (C, N_J, N_T) come from ``workspace.config``, N_F
-    from ``workspace.attend_fill_blocks``.
+    N_F blocks (``workspace.attend_fill_blocks``) share the step's pages
+    evenly; Merge combines the lists that span several blocks.
     ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
     leaves it in ``workspace.list_pages``; None sums the counts here (one
     reduction on the device, into ``workspace.list_pages``).
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` and ``v_scale`` (the layer's
     fp32 scales, one value each): attention over the dequantized K and V.
     """
-    config = workspace.config
     num_rows, num_q_heads, head_size = query.shape
     if num_rows == 0:
         return
-    kv_scale_args = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
+    kv_fp8, k_scale_arg, v_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
     if num_rows > workspace.max_num_seqs:
         raise ValueError(
             f"Moira: {num_rows} decode rows exceed the workspace's "
             f"max_num_seqs={workspace.max_num_seqs}"
         )
     num_kv_heads = kv_cache.shape[1]
+    group_size = num_q_heads // num_kv_heads
     if list_pages is None:
         list_pages = workspace.list_pages
         torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
                   out=list_pages[0])  # fmt: skip
-    attend_args, attend_strides, attend_keywords = _attend_arguments(
+    num_lists = num_rows * num_kv_heads
+    num_blocks = workspace.attend_fill_blocks
+    # A few tile sizes (so a few compiled variants) cover every batch; the
+    # scan over the step's list lengths loops over tiles beyond 1024 lists.
+    lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
+    kernel_moira_attend[(num_blocks,)](
         query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-        workspace, scale, kv_scale_args,
-    )  # fmt: skip
-    merge_args, merge_strides, merge_keywords = _merge_arguments(
-        page_count, list_pages, output, workspace, num_kv_heads
-    )
-    if config.attend_schedule == "pages":
-        # N_F blocks share the step's pages evenly; Merge combines the lists
-        # that span several blocks.
-        num_lists = num_rows * num_kv_heads
-        num_blocks = workspace.attend_fill_blocks
-        # A few tile sizes (so a few compiled variants) cover every batch; the
-        # scan over the step's list lengths loops over tiles beyond 1024 lists.
-        lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
-        kernel_moira_attend_pages[(num_blocks,)](
-            *attend_args, workspace.list_start, num_kv_heads, num_lists, num_blocks,
-            *attend_strides, LISTS_TILE=lists_tile, **attend_keywords,
-            **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
-        )  # fmt: skip
-        kernel_moira_merge_pages[(num_rows, num_q_heads)](
-            *merge_args, workspace.list_start, num_blocks, *merge_strides, **merge_keywords
-        )
-        return
-    num_splits = config.num_splits(num_rows, num_kv_heads)
-    split_args = (num_splits, config.min_chunk_pages, workspace.attend_fill_blocks)
-    kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
-        *attend_args, *split_args, *attend_strides, **attend_keywords,
-        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
-    )  # fmt: skip
-    kernel_moira_merge[(num_rows, num_q_heads)](
-        *merge_args, *split_args, *merge_strides, **merge_keywords
-    )
-
-
-def _attend_arguments(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    list_pages: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    kv_scale_args: tuple[Any, ...],
-) -> tuple[tuple, tuple, dict[str, Any]]:
-    """What both Attend kernels take, in their order: (leading arguments,
-    strides, constexprs and launch options). The schedule's own arguments go
-    between the first two. ``kv_scale_args``: ``_kv_scale_args`` of the cache
-    and its K and V scales."""
-    num_q_heads, head_size = query.shape[1], query.shape[2]
-    group_size = num_q_heads // kv_cache.shape[1]
-    kv_fp8, k_scale_arg, v_scale_arg = kv_scale_args
-    if ATTEND_LAUNCH["tile_pages"] not in ATTEND_TILE_PAGES:
-        raise ValueError(
-            f"Moira: ATTEND_LAUNCH['tile_pages'] must be one of {ATTEND_TILE_PAGES}, got "
-            f"{ATTEND_LAUNCH['tile_pages']!r}"
-        )
-    leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-               workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg,
-               scale)  # fmt: skip
-    strides = (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-               kv_cache.stride(2), block_table.stride(0), page_list.stride(0),
-               page_list.stride(1), page_count.stride(0), output.stride(0),
-               output.stride(1))  # fmt: skip
-    keywords = dict(
+        workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg, scale,
+        workspace.list_start, num_kv_heads, num_lists, num_blocks,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
+        page_count.stride(0), output.stride(0), output.stride(1),
         GROUP_SIZE=group_size,
         GROUP_ROWS=_group_rows(group_size),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
+        LISTS_TILE=lists_tile,
         KV_FP8=kv_fp8,
-        TILE_PAGES=ATTEND_LAUNCH["tile_pages"],
         num_warps=ATTEND_LAUNCH["num_warps"],
         num_stages=attend_num_stages(kv_fp8),
+        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
         **_dependent_launch(),
-    )
-    return leading, strides, keywords
+    )  # fmt: skip
+    kernel_moira_merge[(num_rows, num_q_heads)](
+        page_count, list_pages, workspace.partial_out, workspace.partial_lse, output,
+        workspace.list_start, num_blocks, page_count.stride(0), output.stride(0),
+        output.stride(1),
+        GROUP_SIZE=group_size,
+        HEAD_SIZE=head_size,
+        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
+        num_warps=4,
+        **_dependent_launch(),
+    )  # fmt: skip
 
 
 def attend_num_stages(kv_fp8: bool) -> int:
@@ -2943,27 +2528,6 @@ def attend_num_stages(kv_fp8: bool) -> int:
     cache dtype's (ATTEND_STAGES_BY_KV)."""
     stages = ATTEND_LAUNCH["num_stages"]
     return ATTEND_STAGES_BY_KV["fp8" if kv_fp8 else "bf16"] if stages is None else stages
-
-
-def _merge_arguments(
-    page_count: torch.Tensor,
-    list_pages: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    num_kv_heads: int,
-) -> tuple[tuple, tuple, dict[str, Any]]:
-    """What both Merge kernels take, in their order, as ``_attend_arguments``."""
-    num_q_heads, head_size = output.shape[1], output.shape[2]
-    leading = (page_count, list_pages, workspace.partial_out, workspace.partial_lse, output)
-    strides = (page_count.stride(0), output.stride(0), output.stride(1))
-    keywords = dict(
-        GROUP_SIZE=num_q_heads // num_kv_heads,
-        HEAD_SIZE=head_size,
-        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
-        num_warps=4,
-        **_dependent_launch(),
-    )
-    return leading, strides, keywords
 
 
 # ==========================================================================
@@ -3024,14 +2588,10 @@ class MoiraWorkspace:
         self.head_size = head_size
         tile = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
         pibar_pages = triton.cdiv(max_pages, tile) * tile
-        # Attend's partials are indexed by (row * J + j); J shrinks as the
-        # batch grows (Eq. 4), so size for the largest rows * J over batches.
-        max_chunks = max(b * config.num_splits(b, num_kv_heads) for b in range(1, max_num_seqs + 1))
-        if config.attend_schedule == "pages":
-            # Slots (block + list) of G query heads each: fewer than
-            # N_F + lists of them (kernel_moira_attend_pages).
-            max_lists = max_num_seqs * num_kv_heads
-            max_chunks = triton.cdiv(self.attend_fill_blocks + max_lists, num_kv_heads)
+        # Attend's partial slots (block + list) of G query heads each: fewer
+        # than N_F + lists of them (kernel_moira_attend).
+        max_lists = max_num_seqs * num_kv_heads
+        num_parts = triton.cdiv(self.attend_fill_blocks + max_lists, num_kv_heads)
         f32, i32 = torch.float32, torch.int32
         self.logmass = torch.empty(
             max_num_seqs, num_kv_heads, group_size, max_pages, dtype=f32, device=device
@@ -3041,9 +2601,9 @@ class MoiraWorkspace:
             max_num_seqs, num_kv_heads, max_pages, dtype=i32, device=device
         )
         self.page_count = torch.zeros(max_num_seqs, num_kv_heads, dtype=i32, device=device)
-        self.partial_out = torch.empty(max_chunks, num_q_heads, head_size, dtype=f32, device=device)
-        self.partial_lse = torch.empty(max_chunks, num_q_heads, dtype=f32, device=device)
-        #: Under attend_schedule="pages": where each list of the step starts
+        self.partial_out = torch.empty(num_parts, num_q_heads, head_size, dtype=f32, device=device)
+        self.partial_lse = torch.empty(num_parts, num_q_heads, dtype=f32, device=device)
+        #: Where each list of the step starts
         #: when the lists are laid end to end (Attend writes, Merge reads).
         self.list_start = torch.zeros(max_num_seqs * num_kv_heads, dtype=i32, device=device)
         #: Pages kept and pages in the rows, summed over layers and steps
@@ -3083,11 +2643,7 @@ class MoiraWorkspace:
         # Attend's split constants are baked into captured grids; the
         # estimator into the captured Estimate variant and the summary layout.
         fixed_fields = (
-            "min_chunk_pages",
-            "min_splits_per_row",
-            "min_splits_total",
             "attend_fill_blocks",
-            "attend_schedule",
             "estimator",
             "summary_dtype",
             "refine",
@@ -3155,7 +2711,7 @@ def moira_workspace_bytes(
     MoiraMetadataBuilder allocates."""
     max_pages = cdiv(vllm_config.model_config.max_model_len, MOIRA_PAGE_SIZE)
     config = moira_config_from_env()
-    # Under attend_schedule="pages" the partials follow N_F, which for 0 is
+    # The partials follow N_F, which for 0 is
     # this process's GPU's: resolve it here, not on the meta device.
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
