@@ -351,19 +351,15 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
     def moira_pages_arm():
         # us_per_layer: the tree's register cap; variants_us: every cap of
         # --pages-maxnreg as well (each its own compile).
-        ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, args.moira_config,
-                                  "cuda")  # fmt: skip
-        fn = lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq, page_list,
-                                  page_count, pages_out, ws, scale)  # fmt: skip
-        tree_cap = moira.ATTEND_LAUNCH["maxnreg"]
-        variants = {}
-        try:
-            for cap in args.pages_maxnreg:
-                moira.ATTEND_LAUNCH["maxnreg"] = cap
-                variants[f"maxnreg={cap}"] = timer(fn)
-        finally:
-            moira.ATTEND_LAUNCH["maxnreg"] = tree_cap
-        return timer(fn), variants
+        def attend_with(launch=None):
+            ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, args.moira_config,
+                                      "cuda", launch=launch)  # fmt: skip
+            return lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq,
+                                        page_list, page_count, pages_out, ws, scale)  # fmt: skip
+
+        variants = {f"maxnreg={cap}": timer(attend_with({"attend": {"maxnreg": cap}}))
+                    for cap in args.pages_maxnreg}  # fmt: skip
+        return timer(attend_with()), variants
 
     # fa3_varlen: each (row, KV head) its own sequence over its exact list
     fa3_out = torch.empty_like(shape.q_flat)
@@ -525,7 +521,7 @@ def main() -> int:
             "min_chunk_pages": args.min_chunk_pages,
             "attend_fill_blocks": moira_config.attend_fill_blocks,
             "attend_fill_blocks_resolved": args.fill_blocks,
-            "attend_pages_maxnreg": moira.ATTEND_LAUNCH["maxnreg"],
+            "attend_pages_maxnreg": moira.attend_launch(kv_fp8=False).maxnreg,
         },
         "notes": [
             "FlashInfer is not installed on this host: no flashinfer rows.",

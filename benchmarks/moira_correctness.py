@@ -66,6 +66,18 @@ from tests.v1.attention.moira_test_utils import (  # noqa: E402
 from vllm_moira.v1.attention.ops import moira_reference as ref  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+#: Launch overrides by kernel (moira.check_launch_overrides) that every workspace and
+#: launch of this run uses: --estimate-launch, or a GPU test's candidate
+#: (tests/v1/attention/moira_test_utils.py). Sweeps add their candidate on top.
+LAUNCH: dict[str, dict] = {}
+
+
+def with_launch(**changes: dict) -> dict[str, dict]:
+    """LAUNCH with ``changes`` (overrides by kernel) merged into it, kernel by kernel."""
+    merged = {kernel: dict(values) for kernel, values in LAUNCH.items()}
+    for kernel, values in changes.items():
+        merged[kernel] = {**merged.get(kernel, {}), **values}
+    return merged
 SCALE = D**-0.5
 
 
@@ -143,7 +155,7 @@ def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
     dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
     summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda", dtype=dtype)
     all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
-    moira.write_page_summaries(kv, summaries, all_last_slots, k_scale)
+    moira.write_page_summaries(kv, summaries, all_last_slots, k_scale, launch=LAUNCH)
     return summaries
 
 
@@ -158,9 +170,10 @@ def estimator_case(case, name):
     return dict(case, summaries=summaries, estimator=summary_name)
 
 
-def workspace(case, config):
+def workspace(case, config, launch=None):
+    """A workspace for ``case`` under ``config``, with LAUNCH or ``launch``'s overrides."""
     return moira.MoiraWorkspace(case["query"].shape[0], HQ, HKV, D, case["max_pages"],
-                                config, "cuda")  # fmt: skip
+                                config, "cuda", launch=LAUNCH if launch is None else launch)  # fmt: skip
 
 
 def run_moira(case, config, ws=None):
@@ -298,49 +311,42 @@ def check_graph_replay(case, gamma=0.98, config=None):
 
 
 def check_dependent_launches(case, config=None):
-    """Dependent launches (moira.DECODE_LAUNCH["pdl"]) change when blocks are
+    """Dependent launches (the "step" launch override pdl) change when blocks are
     scheduled, never what they compute. Two steps of different lengths on one
     workspace, back to back (so that each kernel's blocks may start while the
     previous kernel, of the same or the previous step, still runs), eager and
     replayed from one graph, equal the same steps launched plainly, bit for
     bit, lists included."""
     config = config or moira.MoiraConfig.paper(gamma=0.98)
-    ws = workspace(case, config)
     seqs = (case["seq"], (case["seq"] // 3).clamp_min(1))
     gen = torch.Generator().manual_seed(5)
     queries = (case["query"], torch.randn(case["query"].shape, generator=gen).to("cuda",
                torch.bfloat16))  # fmt: skip
     outs = tuple(torch.empty_like(case["query"]) for _ in seqs)
 
-    def two_steps():
+    def two_steps(ws):
         for seq, query, out in zip(seqs, queries, outs):
             moira.moira_decode(query, case["kv"], case["summaries"], case["table"], seq, out,
                                ws, SCALE, **case["scales"])  # fmt: skip
 
-    def run(replay):
+    def run(ws, replay=None):
         for out in outs:
             out.fill_(float("nan"))
         if replay:
             replay.replay()
         else:
-            two_steps()
+            two_steps(ws)
         torch.cuda.synchronize()
         return [o.clone() for o in outs] + [ws.page_list.clone(), ws.page_count.clone()]
 
-    default_launch = dict(moira.DECODE_LAUNCH)
-    try:
-        moira.DECODE_LAUNCH["pdl"] = False
-        plain = run(None)
-        moira.DECODE_LAUNCH["pdl"] = True
-        result = {"dependent_launch_on": bool(moira._dependent_launch())}
-        eager = run(None)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            two_steps()
-        replayed = run(graph)
-    finally:
-        moira.DECODE_LAUNCH.clear()
-        moira.DECODE_LAUNCH.update(default_launch)
+    plain = run(workspace(case, config, with_launch(step={"pdl": False})))
+    ws = workspace(case, config, with_launch(step={"pdl": True}))
+    result = {"dependent_launch_on": bool(moira._dependent_launch(ws.launch))}
+    eager = run(ws)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        two_steps(ws)
+    replayed = run(ws, graph)
     result["eager_equal_bits"] = all(map(torch.equal, plain, eager))
     result["graph_equal_bits"] = all(map(torch.equal, plain, replayed))
     return result
@@ -509,7 +515,7 @@ def check_estimator_summaries(case, name, num_pages=64):
 
 def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     """Estimate / Select / Estimate+Select / summary write of one estimator;
-    ``sweep_launch``: also Estimate under every ESTIMATE_LAUNCH candidate, each
+    ``sweep_launch``: also Estimate under every ESTIMATE_SWEEP candidate, each
     checked against the default's log-masses."""
     estimator, summary_dtype = split_summary_dtype(name)
     refine = refine_of(name)
@@ -527,31 +533,30 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     if refine == "wide":
         row["refined_fraction"] = refined_fraction(case, ws, estimator, k_scale)
     row["estimate_us"] = graph_time_us(
-        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale,
+                                    launch=ws.launch)
     )
     row["select_us"] = graph_time_us(
         lambda: moira.select_pages(
             ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
-            batch, case["max_pages"], ws.read_stats)
+            batch, case["max_pages"], ws.read_stats, launch=ws.launch)
     )  # fmt: skip
     if sweep_launch:
 
-        def estimate():
-            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+        def estimate(launch):
+            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale,
+                                        launch=launch)  # fmt: skip
+
+        def select(launch):
+            moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+                               ws.selector_params, batch, case["max_pages"], ws.read_stats,
+                               launch=launch)  # fmt: skip
 
         row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
         if refine == "wide":
-            row["refine_sweep"] = sweep_refine_launch(
-                ws, lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale), batch
-            )
-        estimate()
-        row["select_sweep"] = sweep_select_launch(
-            ws,
-            lambda: moira.select_pages(
-                ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
-                ws.selector_params, batch, case["max_pages"], ws.read_stats),
-            batch,
-        )  # fmt: skip
+            row["refine_sweep"] = sweep_refine_launch(case, config)
+        estimate(ws.launch)
+        row["select_sweep"] = sweep_select_launch(ws, select, batch)
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
     # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8 and int4
     # keys, the slots' fp32 scales; int4: two keys per row of D bytes).
@@ -566,7 +571,8 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     summaries = case["summaries"]
     slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
     row["write_all_blocks_us"] = graph_time_us(
-        lambda: moira.write_page_summaries(case["kv"], summaries, slots, k_scale), reps=3, iters=5
+        lambda: moira.write_page_summaries(case["kv"], summaries, slots, k_scale, launch=LAUNCH),
+        reps=3, iters=5,
     )
     row["blocks"] = int(summaries.shape[0])
     return row
@@ -576,7 +582,8 @@ def refined_fraction(case, ws, estimator, k_scale):
     """Share of the middle pages whose log-mass refine="wide" replaced in one step:
     Estimate's log-masses against those after estimate_and_select (outside the timed graph)."""
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+    moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale,
+                                    launch=ws.launch)
     before = ws.logmass.clone()
     moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
     changed = middle = 0
@@ -649,8 +656,8 @@ ESTIMATE_SWEEP = [
 
 # Select launch candidates: (thresholds per bisection pass, warps).
 SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
-# Attend candidates: launch changes (num_warps, num_stages, maxnreg of
-# ATTEND_LAUNCH) and N_F (MoiraConfig.attend_fill_blocks); {} = the default.
+# Attend candidates: launch changes (moira.attend_launch's num_warps, num_stages,
+# maxnreg) and N_F (MoiraConfig.attend_fill_blocks); {} = the default.
 ATTEND_SWEEP = [
     {},
     {"num_stages": 2},
@@ -662,7 +669,7 @@ ATTEND_SWEEP = [
     {"maxnreg": None},
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
 ]
-#: REFINE_LAUNCH candidates, timed as Estimate + Select with refine="wide" (the
+#: Refine launch candidates (moira.refine_launch), timed as Estimate + Select with refine="wide" (the
 #: estimators named "...+wide" under --sweep-estimate-select); each must give the
 #: default's lists.
 REFINE_SWEEP = [
@@ -674,55 +681,54 @@ REFINE_SWEEP = [
     {"step_programs": 1024},
     {"step_programs": 16384},
 ]
-#: ATTEND_SWEEP keys that change ATTEND_LAUNCH; the others change MoiraConfig.
+#: ATTEND_SWEEP keys that change Attend's launch; the others change MoiraConfig.
 ATTEND_LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")
 
 
 def sweep_estimate_launch(case, estimate, ws):
-    """Time ``estimate`` under each ESTIMATE_SWEEP change of ESTIMATE_LAUNCH;
-    each result is compared with the default configuration's log-masses."""
+    """Time ``estimate(launch)`` under each ESTIMATE_SWEEP change of Estimate's launch;
+    each result is compared with the default launch's log-masses (in ``ws``)."""
     batch = case["query"].shape[0]
+    num_top = moira.estimator_num_top(ws.config.estimator)
+    int8 = ws.config.summary_dtype != "bfloat16"
     rows = []
-    default_estimate = dict(moira.ESTIMATE_LAUNCH)
-    estimate()
+    estimate(ws.launch)
     reference_logmass = ws.logmass[:batch].clone()
     for change in ESTIMATE_SWEEP:
-        moira.ESTIMATE_LAUNCH.update(default_estimate)
-        moira.ESTIMATE_LAUNCH.update(change)
-        launch = dict(moira.ESTIMATE_LAUNCH)
+        launch = with_launch(estimate=change)
         ws.logmass[:batch].fill_(float("nan"))
-        estimate()
+        estimate(launch)
         same = all(
             torch.allclose(ws.logmass[row, ..., : math.ceil(n / PAGE)],
                            reference_logmass[row, ..., : math.ceil(n / PAGE)],
                            rtol=1e-5, atol=1e-4)
             for row, n in enumerate(case["seq_lens"])
         )  # fmt: skip
-        us = graph_time_us(estimate)
-        rows.append({**launch, "us": us, "matches_default": same})
-        print("estimate", launch, f"{us:.2f} us", same, flush=True)
-    moira.ESTIMATE_LAUNCH.clear()
-    moira.ESTIMATE_LAUNCH.update(default_estimate)
+        us = graph_time_us(lambda launch=launch: estimate(launch))
+        resolved = dataclasses.asdict(moira.estimate_launch(num_top, int8, launch["estimate"]))
+        rows.append({**resolved, "us": us, "matches_default": same})
+        print("estimate", resolved, f"{us:.2f} us", same, flush=True)
     return rows
 
 
 def sweep_estimate_and_select(case, ws):
-    """Time Estimate and Select launch configurations (ESTIMATE_LAUNCH,
-    SELECT_LAUNCH) on this case; every Select configuration must give the same
-    page lists and counts as the default (checked, not assumed)."""
+    """Time Estimate and Select launch configurations on this case; every Select
+    configuration must give the same page lists and counts as the default (checked,
+    not assumed)."""
     batch = case["query"].shape[0]
 
-    def estimate():
+    def estimate(launch):
         moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
-                                    case["seq"], ws.logmass, SCALE,
-                                    ws.config.estimator, k_scale=k_scale_of(case))  # fmt: skip
+                                    case["seq"], ws.logmass, SCALE, ws.config.estimator,
+                                    k_scale=k_scale_of(case), launch=launch)  # fmt: skip
 
-    def select():
+    def select(launch):
         moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
-                           ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
+                           ws.selector_params, batch, case["max_pages"], ws.read_stats,
+                           launch=launch)  # fmt: skip
 
     out = {"estimate_sweep": sweep_estimate_launch(case, estimate, ws)}
-    estimate()
+    estimate(ws.launch)
     out["select_sweep"] = sweep_select_launch(ws, select, batch)
     return out
 
@@ -742,47 +748,46 @@ def _same_lists_after(run, ws, batch, reference) -> bool:
 
 
 def sweep_select_launch(ws, select, batch):
-    """Time Select under each SELECT_LAUNCH candidate on the log-masses in
-    ``ws``; each must give the default's page lists and counts."""
+    """Time ``select(launch)`` under each SELECT_SWEEP candidate on the log-masses in
+    ``ws``; each must give the default launch's page lists and counts."""
     rows = []
-    default_select = dict(moira.SELECT_LAUNCH)
-    select()
+    select(ws.launch)
     reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
     for lanes, warps in SELECT_SWEEP:
-        moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
-        same = _same_lists_after(select, ws, batch, reference_lists)
-        us = graph_time_us(select)
+        launch = with_launch(select={"long_lanes": lanes, "long_num_warps": warps})
+        same = _same_lists_after(lambda launch=launch: select(launch), ws, batch, reference_lists)
+        us = graph_time_us(lambda launch=launch: select(launch))
         rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
                      "same_lists": same})  # fmt: skip
         print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
-    moira.SELECT_LAUNCH.clear()
-    moira.SELECT_LAUNCH.update(default_select)
     return rows
 
 
-def sweep_refine_launch(ws, estimate_and_select, batch):
-    """Time Estimate + Select (refine="wide") under each REFINE_SWEEP change of
-    REFINE_LAUNCH; each must give the default's page lists and counts."""
-    rows = []
-    default_refine = dict(moira.REFINE_LAUNCH)
-    estimate_and_select()
+def sweep_refine_launch(case, config):
+    """Time Estimate + Select (``config``, refine="wide") under each REFINE_SWEEP change
+    of the refine kernel's launch, each on a workspace of its own; each must give the
+    default launch's page lists and counts."""
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    batch = case["query"].shape[0]
+    ws = workspace(case, config)
+    moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
     reference = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
-    try:
-        for change in REFINE_SWEEP:
-            moira.REFINE_LAUNCH.update(default_refine)
-            moira.REFINE_LAUNCH.update(change)
-            same = _same_lists_after(estimate_and_select, ws, batch, reference)
-            us = graph_time_us(estimate_and_select)
-            launch = dict(moira.REFINE_LAUNCH)
-            rows.append({**launch, "us": us, "same_lists": same})
-            print("refine", launch, f"{us:.2f} us", same, flush=True)
-    finally:
-        moira.REFINE_LAUNCH.clear()
-        moira.REFINE_LAUNCH.update(default_refine)
+    rows = []
+    for change in REFINE_SWEEP:
+        ws_c = workspace(case, config, with_launch(refine=change))
+
+        def run(ws_c=ws_c):
+            moira.estimate_and_select(*args, ws_c, SCALE, k_scale=k_scale_of(case))
+
+        same = _same_lists_after(run, ws_c, batch, reference)
+        us = graph_time_us(run)
+        resolved = dataclasses.asdict(moira.refine_launch(ws_c.launch.get("refine")))
+        rows.append({**resolved, "us": us, "same_lists": same})
+        print("refine", resolved, f"{us:.2f} us", same, flush=True)
     return rows
 
 
-#: Dependent-launch settings that --step-launches times (moira.DECODE_LAUNCH).
+#: Dependent-launch settings ("step" launch overrides) that --step-launches times.
 STEP_LAUNCH_VARIANTS = {
     "no_pdl": {"pdl": False},
     "pdl": {"pdl": True},
@@ -808,72 +813,53 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
         "dense_rows": moira.MoiraConfig.paper(dense_batch_tokens=case["max_pages"] * PAGE * batch),
     }
     rows = {}
-    default_launch = dict(moira.DECODE_LAUNCH)
-    try:
-        outputs = {}
-        for variant, launch in STEP_LAUNCH_VARIANTS.items():
-            moira.DECODE_LAUNCH.update(launch)
-            for name, config in configs.items():
-                ws = workspace(case, config)
-                out = torch.full_like(case["query"], float("nan"))
-                rows[f"step_{name}_{variant}_us"] = graph_time_us(
-                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE,
-                                                              **case["scales"])
-                )  # fmt: skip
-                if name in outputs:
-                    rows[f"step_{name}_{variant}_equal_bits"] = bool(
-                        torch.equal(out, outputs[name])
-                    )
-                else:
-                    outputs[name] = out
-            ws = workspace(case, configs["coverage"])
-            rows[f"estimate_select_{variant}_us"] = graph_time_us(
-                lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
+    outputs = {}
+    for variant, step in STEP_LAUNCH_VARIANTS.items():
+        launch = with_launch(step=step)
+        for name, config in configs.items():
+            ws = workspace(case, config, launch)
+            out = torch.full_like(case["query"], float("nan"))
+            rows[f"step_{name}_{variant}_us"] = graph_time_us(
+                lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE, **case["scales"])
             )
-            moira.DECODE_LAUNCH.clear()
-            moira.DECODE_LAUNCH.update(default_launch)
-        for fill in fill_blocks:
-            for name in ("dense_rows", "fixed"):
-                config = dataclasses.replace(configs[name], attend_fill_blocks=fill)
-                ws = workspace(case, config)
-                out = torch.full_like(case["query"], float("nan"))
-                rows[f"step_{name}_fill{fill}_us"] = graph_time_us(
-                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE,
-                                                              **case["scales"])
-                )  # fmt: skip
-    finally:
-        moira.DECODE_LAUNCH.clear()
-        moira.DECODE_LAUNCH.update(default_launch)
+            if name in outputs:
+                rows[f"step_{name}_{variant}_equal_bits"] = bool(torch.equal(out, outputs[name]))
+            else:
+                outputs[name] = out
+        ws = workspace(case, configs["coverage"], launch)
+        rows[f"estimate_select_{variant}_us"] = graph_time_us(
+            lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
+        )
+    for fill in fill_blocks:
+        for name in ("dense_rows", "fixed"):
+            ws = workspace(case, dataclasses.replace(configs[name], attend_fill_blocks=fill))
+            out = torch.full_like(case["query"], float("nan"))
+            rows[f"step_{name}_fill{fill}_us"] = graph_time_us(
+                lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE, **case["scales"])
+            )
     return rows
 
 
 def sweep_attend_launch(case, out, ws, scales) -> list[dict]:
     """Attend + Merge µs of every ATTEND_SWEEP entry on the lists already in ``ws``,
-    with the largest difference from the default's output (same pages, another
-    summation order: within bf16 rounding)."""
-    default = dict(moira.ATTEND_LAUNCH)
+    each on a workspace of its own, with the largest difference from the default's
+    output (same pages, another summation order: within bf16 rounding)."""
     rows = []
     reference = None
     # The default first: the reference every candidate's output is compared with.
     for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
         launch = {k: v for k, v in changes.items() if k in ATTEND_LAUNCH_KEYS}
         config_changes = {k: v for k, v in changes.items() if k not in ATTEND_LAUNCH_KEYS}
-        moira.ATTEND_LAUNCH.update(launch)
-        ws_c = ws
-        if config_changes:
-            ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes))
-            ws_c.page_list.copy_(ws.page_list)
-            ws_c.page_count.copy_(ws.page_count)
+        ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes),
+                         with_launch(attend=launch))  # fmt: skip
+        ws_c.page_list.copy_(ws.page_list)
+        ws_c.page_count.copy_(ws.page_count)
         candidate = torch.full_like(out, float("nan"))
-        try:
-            us = graph_time_us(
-                lambda ws_c=ws_c, candidate=candidate: moira.attend(
-                    case["query"], case["kv"], case["table"], case["seq"],
-                    ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
-            )  # fmt: skip
-        finally:
-            moira.ATTEND_LAUNCH.clear()
-            moira.ATTEND_LAUNCH.update(default)
+        us = graph_time_us(
+            lambda ws_c=ws_c, candidate=candidate: moira.attend(
+                case["query"], case["kv"], case["table"], case["seq"],
+                ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
+        )  # fmt: skip
         if reference is None:
             reference = candidate.clone()
         diff = (candidate.float() - reference.float()).abs().max().item()
@@ -902,7 +888,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
             ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
-            batch, case["max_pages"], ws.read_stats)
+            batch, case["max_pages"], ws.read_stats, launch=ws.launch)
     )  # fmt: skip
     out = torch.empty_like(case["query"])
     # Attend + Merge on a fixed-count list (kept_fraction of the pages).
@@ -970,10 +956,10 @@ def main():
                         help="time Estimate (also per --estimators entry) and Select launch "
                         "configs (log-masses and lists checked)")  # fmt: skip
     parser.add_argument("--estimate-sweep", default=None,
-                        help="JSON list of ESTIMATE_LAUNCH changes for --sweep-estimate-select "
+                        help="JSON list of Estimate launch changes for --sweep-estimate-select "
                         "(default: ESTIMATE_SWEEP)")  # fmt: skip
     parser.add_argument("--estimate-launch", default=None,
-                        help="JSON merged into ESTIMATE_LAUNCH before any work (every "
+                        help="JSON of Estimate launch overrides for the whole run (every "
                         "check and timing runs under it), e.g. "
                         "'{\"key_stages\": 2}'")  # fmt: skip
     parser.add_argument(
@@ -1006,10 +992,11 @@ def main():
                         "and fixed steps under")  # fmt: skip
     args = parser.parse_args()
     if args.estimate_launch is not None:
-        for key, value in json.loads(args.estimate_launch).items():
-            if key not in moira.ESTIMATE_LAUNCH:
-                parser.error(f"--estimate-launch: unknown key {key!r}")
-            moira.ESTIMATE_LAUNCH[key] = value
+        try:
+            LAUNCH.update(moira.check_launch_overrides(
+                {"estimate": json.loads(args.estimate_launch)}))  # fmt: skip
+        except ValueError as exc:
+            parser.error(f"--estimate-launch: {exc}")
     if args.estimate_sweep is not None:
         ESTIMATE_SWEEP[:] = json.loads(args.estimate_sweep)
     if args.attend_sweep is not None:
@@ -1028,8 +1015,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     record = {"command": command, "gpu": gpu, "torch": torch.__version__,
               "kv_cache_dtype": args.kv_cache_dtype,
-              "estimate_launch": dict(moira.ESTIMATE_LAUNCH), "cases": []}  # fmt: skip
-    timing = {"command": command, "gpu": gpu, "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
+              "launch_overrides": LAUNCH, "cases": []}  # fmt: skip
+    timing = {"command": command, "gpu": gpu, "launch_overrides": LAUNCH,
               "kv_cache_dtype": args.kv_cache_dtype, "rows": []}  # fmt: skip
     if not args.skip_timing:
         timing["d2d_copy_tbps"] = copy_bandwidth_tbps()

@@ -19,14 +19,13 @@ import torch
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.backends.moira import (
     MOIRA_PAGE_SIZE,
-    ATTEND_LAUNCH,
     _attend_list_pages,
     _dependent_launch,
     _group_rows,
     _kv_scale_args,
     _merge_chunks,
     _wait_for_previous_kernel,
-    attend_num_stages,
+    attend_launch,
 )
 
 #: C, N_J, N_T of the paper (§3.3).
@@ -187,6 +186,7 @@ class PaperAttend:
         torch.sum(page_count[:num_rows], dim=(0, 1), dtype=torch.int32, out=self.list_pages[0])
         num_splits = self.num_splits(num_rows)
         splits = (num_splits, self.min_chunk_pages, self.fill_blocks)
+        launch = attend_launch(kv_fp8)
         kernel_paper_attend[(num_rows, self.num_kv_heads, num_splits)](
             query, kv_cache, block_table, seq_lens, page_list, page_count, self.list_pages,
             output, self.partial_out, self.partial_lse, k_scale, v_scale, scale, *splits,
@@ -194,12 +194,12 @@ class PaperAttend:
             kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
             page_count.stride(0), output.stride(0), output.stride(1),
             GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), HEAD_SIZE=head_size,
-            PAGE_SIZE=MOIRA_PAGE_SIZE, KV_FP8=kv_fp8, num_warps=ATTEND_LAUNCH["num_warps"],
-            num_stages=attend_num_stages(kv_fp8), **_dependent_launch(),
+            PAGE_SIZE=MOIRA_PAGE_SIZE, KV_FP8=kv_fp8, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, **_dependent_launch(None),
         )  # fmt: skip
         kernel_paper_merge[(num_rows, num_q_heads)](
             page_count, self.list_pages, self.partial_out, self.partial_lse, output, *splits,
             page_count.stride(0), output.stride(0), output.stride(1), GROUP_SIZE=group_size,
             HEAD_SIZE=head_size, TILE_CHUNKS=_MERGE_TILE_CHUNKS, num_warps=4,
-            **_dependent_launch(),
+            **_dependent_launch(None),
         )  # fmt: skip

@@ -37,6 +37,7 @@ copy with a variant applied, to compare against).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import inspect
 import json
@@ -118,7 +119,7 @@ def captured_launches(moira):
         for name, fn in originals.items():
             setattr(moira, name, _Recorder(fn))
         # As on the H200: every kernel waits on the previous one (gdc_wait).
-        moira._dependent_launch = lambda: {"USE_GDC": True}
+        moira._dependent_launch = lambda *_: {"USE_GDC": True}
         yield launches
     finally:
         for name, fn in originals.items():
@@ -129,12 +130,13 @@ def captured_launches(moira):
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
                          num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
                          kv_cache_dtype: str = "auto", refine: str | None = None,
-                         ) -> list:  # fmt: skip
+                         launch: dict | None = None) -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
     the kernels' specialization allows (a few KV blocks): only shapes the
     launchers read reach the constexprs. ``kv_cache_dtype="fp8"``: on vLLM's
-    fp8 cache (e4m3 with K/V scales)."""
+    fp8 cache (e4m3 with K/V scales). ``launch``: launch overrides by kernel
+    (moira.check_launch_overrides)."""
     import torch
 
     # refine="wide": two Selects with the refine kernel between them
@@ -155,15 +157,17 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     query = torch.zeros(rows, num_q_heads, head_size, dtype=torch.bfloat16)
     out = torch.zeros_like(query)
     slots = torch.zeros(rows, dtype=torch.int64)
+    # (--src trees from before launch overrides take none.)
+    overrides = {"launch": launch} if launch else {}
     ws = moira.MoiraWorkspace(rows, num_q_heads, num_kv_heads, head_size, max_pages, config,
-                              "cpu")  # fmt: skip
+                              "cpu", **overrides)  # fmt: skip
     with captured_launches(moira) as launches:
         # The writer runs on prefill tokens; in the decode step Estimate writes
         # the pages that filled (write_filled_pages, as the backend calls it).
         if scales:
-            moira.write_page_summaries(kv, summaries, slots, scales["k_scale"])
+            moira.write_page_summaries(kv, summaries, slots, scales["k_scale"], **overrides)
         else:
-            moira.write_page_summaries(kv, summaries, slots)
+            moira.write_page_summaries(kv, summaries, slots, **overrides)
         # (--src trees from before it have no such option.)
         decode_options = ({"write_filled_pages": True} if "write_filled_pages"
                           in inspect.signature(moira.moira_decode).parameters else {})  # fmt: skip
@@ -333,17 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--estimate-launch",
         default=None,
-        help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"key_stages": 2}\'',
+        help='JSON of Estimate launch overrides (moira.estimate_launch), e.g. \'{"key_stages": 2}\'',
     )
     ap.add_argument(
         "--attend-launch",
         default=None,
-        help="JSON merged into ATTEND_LAUNCH, e.g. '{\"num_stages\": 4}'",
+        help="JSON of Attend launch overrides (moira.attend_launch), e.g. '{\"num_stages\": 4}'",
     )
     ap.add_argument(
         "--refine-launch",
         default=None,
-        help="JSON merged into REFINE_LAUNCH, e.g. '{\"pipeline_stages\": 3}'",
+        help="JSON of refine launch overrides (moira.refine_launch), e.g. "
+        "'{\"pipeline_stages\": 3}'",
     )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
@@ -353,20 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     moira = _import_moira(a.src, a.triton_path)
     import triton
 
-    for option, text, launch in (
-        ("--estimate-launch", a.estimate_launch, moira.ESTIMATE_LAUNCH),
-        ("--attend-launch", a.attend_launch, moira.ATTEND_LAUNCH),
-        ("--refine-launch", a.refine_launch, moira.REFINE_LAUNCH),
-    ):
-        for key, value in json.loads(text or "{}").items():
-            if key not in launch:
-                ap.error(f"{option}: unknown key {key!r}")
-            launch[key] = value
+    launch = {kernel: json.loads(text) for kernel, text in (
+        ("estimate", a.estimate_launch), ("attend", a.attend_launch), ("refine", a.refine_launch),
+    ) if text}  # fmt: skip
+    if launch:
+        try:
+            moira.check_launch_overrides(launch)
+        except ValueError as exc:
+            ap.error(str(exc))
 
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
-                                    kv_cache_dtype=a.kv_cache_dtype, refine=a.refine)  # fmt: skip
+                                    kv_cache_dtype=a.kv_cache_dtype, refine=a.refine,
+                                    launch=launch)  # fmt: skip
     rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
@@ -388,9 +393,12 @@ def main(argv: list[str] | None = None) -> int:
             "summary_dtype": summary_dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
             "refine": a.refine or "off",
-            "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
-            "attend_launch": dict(moira.ATTEND_LAUNCH),
-            "refine_launch": dict(moira.REFINE_LAUNCH),
+            "estimate_launch": dataclasses.asdict(moira.estimate_launch(
+                moira.estimator_num_top(estimator), summary_dtype != "bfloat16",
+                launch.get("estimate"))),
+            "attend_launch": dataclasses.asdict(
+                moira.attend_launch(a.kv_cache_dtype == "fp8", launch.get("attend"))),
+            "refine_launch": dataclasses.asdict(moira.refine_launch(launch.get("refine"))),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }

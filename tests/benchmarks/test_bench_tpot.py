@@ -214,29 +214,6 @@ def test_rows_name_the_engines_refine_mode_on_moira_arms_only():
     assert "refine" not in bt.base_row({"model": "m"}, 8192, 32, moira_arm)
 
 
-def test_attend_launch_is_checked_then_applied(monkeypatch):
-    moira = pytest.importorskip("vllm.v1.attention.backends.moira")
-    monkeypatch.setattr(moira, "ATTEND_LAUNCH", dict(moira.ATTEND_LAUNCH))
-    ap = argparse.ArgumentParser()
-
-    def args(text, backend="MOIRA", tp=1):
-        return argparse.Namespace(attend_launch=text, backend=backend, tensor_parallel_size=tp)
-
-    assert bt.parse_attend_launch(ap, args(None)) is None
-    assert moira.ATTEND_LAUNCH["num_stages"] is None
-    for text, kw in (('{"tile_pages": 2}', {}), ('{"stages": 2}', {}), ("[2]", {}), ("{", {}),
-                     ('{"num_stages": 2}', {"backend": "FLASH_ATTN"}),
-                     ('{"num_stages": 2}', {"tp": 2})):  # fmt: skip
-        with pytest.raises(SystemExit):
-            bt.parse_attend_launch(ap, args(text, **kw))
-        assert moira.ATTEND_LAUNCH["num_stages"] is None, text
-    assert bt.parse_attend_launch(ap, args('{"num_warps": 8, "num_stages": 2}')) == {
-        "num_warps": 8,
-        "num_stages": 2,
-    }
-    assert moira.ATTEND_LAUNCH["num_warps"] == 8 and moira.ATTEND_LAUNCH["num_stages"] == 2
-
-
 def test_merge_compares_greedy_outputs(tmp_path):
     """--greedy-check files of both backends: equal lists pass, a divergence
     is located with the dense margin at that step."""

@@ -60,23 +60,31 @@ def test_pages_within_the_bisection_resolution_are_near_ties():
     assert not mc.is_near_tie(with_light_page, pibar, gamma)
 
 
-def test_attend_sweep_names_only_known_settings():
-    # Every key of every candidate is an ATTEND_LAUNCH setting or a MoiraConfig field.
+def test_sweeps_name_only_known_settings():
+    # Every key of every Attend candidate is an Attend launch setting or a MoiraConfig
+    # field; every Estimate and refine candidate is a valid override that changes the
+    # default (whose results are the sweep's reference).
     import dataclasses
 
-    fields = {f.name for f in dataclasses.fields(mc.moira.MoiraConfig)}
-    assert set(mc.ATTEND_LAUNCH_KEYS) == set(mc.moira.ATTEND_LAUNCH)
+    moira = mc.moira
+    fields = {f.name for f in dataclasses.fields(moira.MoiraConfig)}
+    assert set(mc.ATTEND_LAUNCH_KEYS) == {f.name for f in dataclasses.fields(moira.AttendLaunch)}
     for changes in mc.ATTEND_SWEEP:
         for key in changes:
             assert key in mc.ATTEND_LAUNCH_KEYS or key in fields, key
-
-
-def test_refine_sweep_names_only_refine_launch_settings():
-    # Each entry changes the default (whose lists are the sweep's reference).
-    default = mc.moira.REFINE_LAUNCH
     for changes in mc.REFINE_SWEEP:
-        assert changes and set(changes) <= set(default), changes
-        assert {**default, **changes} != default, changes
+        assert changes and moira.refine_launch(changes) != moira.refine_launch(), changes
+    for changes in mc.ESTIMATE_SWEEP:
+        moira.estimate_launch(8, True, changes)
+    for lanes, warps in mc.SELECT_SWEEP:
+        moira.select_launch(4096, 1, {"long_lanes": lanes, "long_num_warps": warps})
+
+
+def test_with_launch_merges_kernel_by_kernel(monkeypatch):
+    monkeypatch.setattr(mc, "LAUNCH", {"estimate": {"key_stages": 2}})
+    assert mc.with_launch(estimate={"num_warps": 4}, refine={"tile_pages": 32}) == {
+        "estimate": {"key_stages": 2, "num_warps": 4}, "refine": {"tile_pages": 32}}  # fmt: skip
+    assert mc.LAUNCH == {"estimate": {"key_stages": 2}}
 
 
 def test_refine_suffix_names_the_config_not_the_summaries():

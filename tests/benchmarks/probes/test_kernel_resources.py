@@ -136,7 +136,7 @@ def test_decode_step_launches_no_writer_and_writer_shares_estimates_warps():
     ]
     warps = {fn.__name__: kwargs.get("num_warps") for fn, _, _, kwargs in launches}
     assert warps["kernel_moira_write_summaries"] == warps["kernel_moira_estimate"]
-    assert warps["kernel_moira_estimate"] == moira.ESTIMATE_LAUNCH["num_warps"]
+    assert warps["kernel_moira_estimate"] == moira.estimate_launch(8, True).num_warps
     estimate_kwargs = launches[1][3]
     assert estimate_kwargs["WRITE_FILLED_PAGE"] is True
 
@@ -220,7 +220,7 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
 
 @pytest.mark.slow
 def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
-    """REFINE_LAUNCH["pipeline_stages"] (3): the refine page loop's keys arrive by
+    """The refine launch's pipeline_stages (3): the refine page loop's keys arrive by
     asynchronous copies (LDGSTS), not by plain global loads (LDG) behind each page's
     softmax."""
 

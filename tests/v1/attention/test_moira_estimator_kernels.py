@@ -122,10 +122,9 @@ def test_write_summaries_rejects_unknown_slot_count():
     ],
 )
 @pytest.mark.slow
-def test_estimate_matches_reference(estimator, layout, group, head_size, pattern, monkeypatch):
+def test_estimate_matches_reference(estimator, layout, group, head_size, pattern):
     # 16-page tiles: the sink, middle tiles and the current page fall in
     # different programs.
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
     seq_lens = [1, 64, 65, 300, 64 * 40 + 7]
     # Queries x3: the spread x^2.var of random pages is ~9, around REM's knee 2 ln m
     # (~8.2), so both of its branches are taken (checked below).
@@ -135,7 +134,8 @@ def test_estimate_matches_reference(estimator, layout, group, head_size, pattern
     config = moira.MoiraConfig.paper(estimator=estimator)
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1], config, "cpu")
     ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator,
+                                launch={"estimate": {"tile_pages": 16}})  # fmt: skip
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(query[row], kv, summaries, table[row], seq_len,

@@ -67,7 +67,7 @@ def test_write_summaries_matches_reference(layout, head_size):
 
 
 @pytest.mark.parametrize("estimator", ["mvar", DEFAULT_ESTIMATOR])
-def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
+def test_write_summaries_same_bits_for_every_window(estimator):
     # A prefill slice where requests' segments meet: three page ends within
     # 8 tokens (blocks 6, 1, 4), a chunk that starts mid-page and fills
     # block 3 at its 22nd token, padding, and a token count that no window
@@ -87,9 +87,9 @@ def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
     ])  # fmt: skip
     results = {}
     for window in (1, 4, 16, 64):
-        monkeypatch.setitem(moira.WRITER_LAUNCH, "window_tokens", window)
         summaries = torch.zeros(8, 2, rows, 64, dtype=dtype)
-        moira.write_page_summaries(kv, summaries, slots)
+        moira.write_page_summaries(kv, summaries, slots,
+                                   launch={"writer": {"window_tokens": window}})  # fmt: skip
         results[window] = summaries
     filled = [1, 3, 4, 6]
     for window, summaries in results.items():
@@ -102,12 +102,13 @@ def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
         assert torch.all((got - expected).abs() <= _bf16_ulp(expected) + 1e-6)
 
 
-def test_writer_window_must_be_a_power_of_two(monkeypatch):
+def test_writer_window_must_be_a_power_of_two():
     kv = make_kv_cache(2, 1, 64, "token_major", generator=torch.Generator().manual_seed(0))
-    monkeypatch.setitem(moira.WRITER_LAUNCH, "window_tokens", 48)
-    with pytest.raises(ValueError, match=r"WRITER_LAUNCH\['window_tokens'\]"):
+    with pytest.raises(ValueError, match=r"writer launch window_tokens must be a power of two "
+                       r"in \[1, 1024\], got 48"):  # fmt: skip
         moira.write_page_summaries(
-            kv, torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16), torch.tensor([PAGE + 63])
+            kv, torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16), torch.tensor([PAGE + 63]),
+            launch={"writer": {"window_tokens": 48}},
         )
 
 
@@ -192,10 +193,9 @@ def test_verify_page_summaries_finds_wrong_and_missing_pages():
     ],
 )
 @pytest.mark.parametrize("tile_pages", [16, 64])
-def test_estimate_matches_reference(layout, group, head_size, pattern, tile_pages, monkeypatch):
+def test_estimate_matches_reference(layout, group, head_size, pattern, tile_pages):
     # 16-page tiles: the sink, a middle tile and the current page fall in
     # different programs; 64: one tile holds the whole row.
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
     seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern,
                                               estimator="mvar")  # fmt: skip
@@ -203,7 +203,8 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
                               moira.MoiraConfig.paper(), "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, "mvar")
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, "mvar",
+                                launch={"estimate": {"tile_pages": tile_pages}})  # fmt: skip
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(query[row], kv, summaries, table[row], seq_len, scale)
@@ -221,24 +222,25 @@ def _random_logmass(num_rows, num_kv_heads, group, max_pages, seed, spread=3.0):
     return logmass * spread + heavy * 4.0
 
 
-def _run_select(logmass, seq_lens, config):
+def _run_select(logmass, seq_lens, config, launch=None):
     num_rows, num_kv_heads, group, max_pages = logmass.shape
     ws = moira.MoiraWorkspace(num_rows, num_kv_heads * group, num_kv_heads, 64,
-                              max_pages, config, "cpu")  # fmt: skip
+                              max_pages, config, "cpu", launch=launch)  # fmt: skip
     ws.logmass.copy_(logmass)
     ws.page_list.fill_(-7)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
-                       ws.selector_params, num_rows, max_pages, ws.read_stats)  # fmt: skip
+                       ws.selector_params, num_rows, max_pages, ws.read_stats,
+                       launch=ws.launch)  # fmt: skip
     return ws
 
 
 @pytest.fixture(params=[1, 4, 8], ids=lambda lanes: f"long_lanes{lanes}")
-def long_lanes(request, monkeypatch):
+def long_lanes(request):
     """Both bisection forms for rows of >= 256 pages (one reduction per
-    threshold, and K_B thresholds per 2D reduction) must give the same lists."""
-    monkeypatch.setitem(moira.SELECT_LAUNCH, "long_lanes", request.param)
-    return request.param
+    threshold, and K_B thresholds per 2D reduction) must give the same lists:
+    Select's launch overrides."""
+    return {"select": {"long_lanes": request.param}}
 
 
 # Groups 1 (no GQA) and 4 (Llama-3.1-8B) run by default; 3 and 8 are slow in the interpreter.
@@ -252,7 +254,7 @@ def test_select_lists_equal_reference_at_098(group, long_lanes):
     seq_lens[:4] = torch.tensor([1, 64, 129, max_pages * PAGE])  # edge lengths
     logmass = _random_logmass(num_rows, num_kv_heads, group, max_pages, seed=group)
     config = moira.MoiraConfig.paper(gamma=0.98)
-    ws = _run_select(logmass, seq_lens.tolist(), config)
+    ws = _run_select(logmass, seq_lens.tolist(), config, launch=long_lanes)
     checked = 0
     for row, seq_len in enumerate(seq_lens.tolist()):
         n = math.ceil(seq_len / PAGE)
@@ -270,7 +272,7 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
     num_rows, max_pages = 6, 200
     seq_lens = [max_pages * PAGE, 5000, 3 * PAGE, 64 * 77 + 5, 999, 64 * 150]
     logmass = _random_logmass(num_rows, 2, 3, max_pages, seed=7)
-    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=gamma))
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=gamma), launch=long_lanes)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
@@ -345,7 +347,7 @@ def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages, long_lanes):
     logmass = torch.full((len(seq_lens), 2, 3, max_pages), 4.1588831)
     logmass[1, 1, :, 5] += 2.0  # one page above the ties
     config = moira.MoiraConfig.paper(selector="fixed", fixed_pages=6)
-    ws = _run_select(logmass, seq_lens, config)
+    ws = _run_select(logmass, seq_lens, config, launch=long_lanes)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
@@ -479,14 +481,42 @@ def test_attend_accepts_any_page_list():
     _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens)
 
 
-def test_attend_stages_follow_the_kv_cache_unless_set(monkeypatch):
-    # num_stages None: 3 for bf16 pages, 5 for fp8 ones (half the bytes per stage);
-    # a number (a sweep's candidate) applies to both.
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "num_stages", None)
-    assert moira.attend_num_stages(kv_fp8=False) == moira.ATTEND_STAGES_BY_KV["bf16"] == 3
-    assert moira.attend_num_stages(kv_fp8=True) == moira.ATTEND_STAGES_BY_KV["fp8"] == 5
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "num_stages", 2)
-    assert moira.attend_num_stages(kv_fp8=True) == moira.attend_num_stages(kv_fp8=False) == 2
+def test_launches_are_functions_of_the_shapes_with_overrides():
+    # Attend: 3 stages on bf16 pages, 5 on fp8 ones (half the bytes per stage); an
+    # override (a sweep's candidate) applies to both. Estimate: 64-page programs for
+    # mvar on int8 summaries, 32 otherwise. Nothing is module state: a call with
+    # overrides leaves the next call's defaults as they were.
+    assert moira.attend_launch(kv_fp8=False) == moira.AttendLaunch(4, 3, 168)
+    assert moira.attend_launch(kv_fp8=True).num_stages == 5
+    assert moira.attend_launch(True, {"num_stages": 2}).num_stages == 2
+    assert moira.attend_launch(kv_fp8=True).num_stages == 5
+    assert moira.estimate_launch(0, True).tile_pages == 64
+    assert moira.estimate_launch(0, False).tile_pages == 32
+    assert moira.estimate_launch(8, True) == moira.EstimateLaunch(32, 2, 3, 128)
+    assert moira.estimate_launch(0, True, {"tile_pages": 16}).tile_pages == 16
+    assert moira.writer_launch().num_warps == moira.estimate_launch(8, True).num_warps
+    assert moira.select_launch(4096, 1) == moira.SelectLaunch(lanes=8, num_warps=16)
+    assert moira.select_launch(4096, 2) == moira.SelectLaunch(lanes=1, num_warps=16)
+    assert moira.select_launch(256, 1) == moira.SelectLaunch(lanes=8, num_warps=4)
+    assert moira.refine_launch() == moira.RefineLaunch(16, 3, 4, 4096)
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ({"attend": {"tile_pages": 2}}, r"attend launch overrides \['tile_pages'\] are not among "
+                                        r"\['maxnreg', 'num_stages', 'num_warps'\]"),
+        ({"estimate": {"tile_pages": 48}}, r"estimate launch tile_pages must be a power of two"),
+        ({"select": {"long_lanes": 3}}, r"select launch long_lanes must be a power of two"),
+        ({"refine": {"pipeline_stages": 0}}, r"refine launch pipeline_stages must be an "
+                                             r"integer in 1\.\.6, got 0"),
+        ({"merge": {}}, r"launch overrides for \['merge'\]; kernels: \('writer', 'estimate'"),
+        ({"step": {"early_trigger": True}}, r"step launch overrides \['early_trigger'\]"),
+    ],
+)  # fmt: skip
+def test_workspace_refuses_unknown_launch_overrides(launch, message):
+    with pytest.raises(ValueError, match=message):
+        moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig.paper(), "cpu", launch=launch)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])

@@ -5,8 +5,8 @@ Run with ``MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention`` after
 ``build.sh``; the checks are the ones ``benchmarks/moira_correctness.py``
 records in ``benchmarks/results/correctness_h200.json``.
 ``MOIRA_TEST_ESTIMATE_LAUNCH='{"maxnreg": 128}'`` runs them under a candidate
-Estimate launch (a JSON dict of ESTIMATE_LAUNCH changes) before it becomes the
-default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for ATTEND_LAUNCH.
+Estimate launch (a JSON dict of Estimate launch overrides) before it becomes the
+default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for Attend's.
 """
 
 from __future__ import annotations
@@ -287,8 +287,8 @@ def test_refine_log_masses_and_lists_equal_reference(wide_case):
         {"pipeline_stages": 3, "tile_pages": 16, "step_programs": 32},
     ],
 )
-def test_pipelined_refine_equals_the_unpipelined_loop_bitwise(wide_case, launch, monkeypatch):
-    # The pipelined refine loop (REFINE_LAUNCH's default, 3 stages, and the
+def test_pipelined_refine_equals_the_unpipelined_loop_bitwise(wide_case, launch):
+    # The pipelined refine loop (the refine launch's default, 3 stages, and the
     # moira_correctness.REFINE_SWEEP candidates, smaller tiles among them, and
     # programs that take several tiles): the same log-masses and lists as the
     # unpipelined loop (1 stage) over 64-page tiles, bit for bit.
@@ -299,11 +299,8 @@ def test_pipelined_refine_equals_the_unpipelined_loop_bitwise(wide_case, launch,
 
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
     results = []
-    default = dict(moira.REFINE_LAUNCH)
     for changes in ({"pipeline_stages": 1, "tile_pages": 64}, launch):
-        for key, value in {**default, **changes}.items():
-            monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
-        ws = mc.workspace(wide_case, config)
+        ws = mc.workspace(wide_case, config, mc.with_launch(refine=changes))
         moira.estimate_and_select(wide_case["query"], wide_case["kv"], wide_case["summaries"],
                                   wide_case["table"], wide_case["seq"], ws, mc.SCALE)  # fmt: skip
         torch.cuda.synchronize()

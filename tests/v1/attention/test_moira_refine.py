@@ -18,7 +18,7 @@ from vllm_moira.v1.attention.ops import moira_reference as ref
 SMALL_FILL = dict(attend_fill_blocks=5)
 SCALE = 0.125  # head size 64
 SEQ_LENS = [64 * 12, 64 * 9 + 5, 100, 1]
-# A row over three 16-page refine tiles (REFINE_LAUNCH["tile_pages"]).
+# A row over three 16-page refine tiles (the refine launch's tile_pages).
 TILED_SEQ_LENS = [64 * 40 + 7, 64 * 9 + 5, 100, 1]
 
 
@@ -126,8 +126,8 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
         {"pipeline_stages": 1, "tile_pages": 16, "step_programs": 9},
     ],
 )
-def test_refine_launches_give_the_same_log_masses(launch, monkeypatch):
-    """REFINE_LAUNCH's pipeline depths (the loop over a tile's compacted refined pages;
+def test_refine_launches_give_the_same_log_masses(launch):
+    """The refine launch's pipeline depths (the loop over a tile's compacted refined pages;
     3 is the default), smaller tiles (``tile_pages``: a list's pages over more programs),
     and programs that take several tiles each (``step_programs``) write the log-masses
     and lists of the unpipelined loop over 64-page tiles, bit for bit; values outside
@@ -139,12 +139,10 @@ def test_refine_launches_give_the_same_log_masses(launch, monkeypatch):
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_FILL)
     results = []
     for changes in ({"pipeline_stages": 1, "tile_pages": 64}, launch):
-        for key, value in {**moira.REFINE_LAUNCH, **changes}.items():
-            monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
-        ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+        ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu",
+                                  launch={"refine": changes})  # fmt: skip
         moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
         results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
-        monkeypatch.undo()
     masks = _refined_mask(query, kv, summaries, table, seq, 0.98, moira.MOIRA_DEFAULT_ESTIMATOR)
     assert sum(int(m.sum()) for m in masks if m is not None) > 1  # several pages refined
     assert bool(masks[0][..., 16:].any())  # and some beyond the first 16-page tile
@@ -155,20 +153,15 @@ def test_refine_launches_give_the_same_log_masses(launch, monkeypatch):
         assert torch.equal(lm0[row, ..., :pages], lm1[row, ..., :pages])
         for h in range(2):
             assert torch.equal(list0[row, h, : count0[row, h]], list1[row, h, : count1[row, h]])
-    ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
-    for stages in (0, 9):
-        monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", stages)
-        with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['pipeline_stages'\] must be an "
-                           r"integer in 1\.\.6"):  # fmt: skip
-            moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", 3)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 8)
-    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['tile_pages'\] must be one of"):
-        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 16)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "step_programs", 0)
-    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['step_programs'\] must be a positive"):
-        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+    for refine, message in (
+        ({"pipeline_stages": 0}, r"refine launch pipeline_stages must be an integer in 1\.\.6"),
+        ({"pipeline_stages": 9}, r"refine launch pipeline_stages must be an integer in 1\.\.6"),
+        ({"tile_pages": 8}, r"refine launch tile_pages must be one of \(16, 32, 64, 128\)"),
+        ({"step_programs": 0}, r"refine launch step_programs must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            moira.MoiraWorkspace(1, 6, 2, 64, table.shape[1], config, "cpu",
+                                 launch={"refine": refine})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -183,9 +176,10 @@ def test_refine_launches_give_the_same_log_masses(launch, monkeypatch):
     ],
 )
 def test_refine_programs_per_list_caps_the_steps_programs(rows, kv_heads, max_pages, expected):
-    """The refine grid's third extent: about REFINE_LAUNCH["step_programs"] (4096)
+    """The refine grid's third extent: about the launch's step_programs (4096)
     programs a step, at most one per tile of max_pages, at least one per list."""
-    assert moira.refine_programs_per_list(rows, kv_heads, max_pages, 16) == expected
+    launch = moira.refine_launch()
+    assert moira.refine_programs_per_list(rows, kv_heads, max_pages, launch) == expected
 
 
 @pytest.mark.parametrize("change", [dict(gamma=1.0), dict(selector="fixed", fixed_pages=3)])

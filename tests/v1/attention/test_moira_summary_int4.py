@@ -174,11 +174,10 @@ def test_int4_pair_products_equal_unpacked_keys_bitwise():
         ("head_major", 8, 64, "diffuse"),
     ],
 )
-def test_estimate_int4_matches_reference(layout, group, head_size, pattern, monkeypatch,
+def test_estimate_int4_matches_reference(layout, group, head_size, pattern,
                                          estimator="mvar_top8"):  # fmt: skip
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
     check_estimate_int8([1, 65, 300, 64 * 20 + 7], estimator, layout, group, head_size, pattern,
-                        summary_dtype="int4")  # fmt: skip
+                        summary_dtype="int4", tile_pages=16)  # fmt: skip
 
 
 # --------------------------------------------------------------------------

@@ -153,17 +153,15 @@ def test_write_int8_summaries_of_an_all_zero_page():
 # The int8 slots as stored against q's int8 digits on the int8 tensor cores, on 16-page
 # tiles (the sink, middle tiles and the current page in different programs).
 @pytest.mark.slow
-def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
-                                         monkeypatch):  # fmt: skip
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
+def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern):
     check_estimate_int8([1, 64, 65, 300, 64 * 40 + 7], estimator, layout, group, head_size,
-                        pattern)  # fmt: skip
+                        pattern, tile_pages=16)  # fmt: skip
 
 
 def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
-                        summary_dtype="int8"):  # fmt: skip
+                        summary_dtype="int8", tile_pages=None):  # fmt: skip
     """Estimate on int8 summaries (or int4 keys) (2 KV heads x G) vs the float32
-    reference, row by row, under the current ESTIMATE_LAUNCH."""
+    reference, row by row, on ``tile_pages``-page programs (None: the default launch's)."""
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
         summary_dtype=summary_dtype,
@@ -175,7 +173,9 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
     ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1], config,
                               "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
+    launch = {"estimate": {"tile_pages": tile_pages}} if tile_pages else None
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator,
+                                launch=launch)  # fmt: skip
     stored = ref.read_summaries(summaries)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -293,19 +293,6 @@ def test_summary_storage_table_and_benchmark_names():
     assert ref.parse_stored_estimator("int8:mvar_top8") == ("mvar_top8", "int8")
     assert ref.parse_stored_estimator("bf16:mvar") == ("mvar", "bfloat16")
     assert ref.parse_stored_estimator("mvar_top4") == ("mvar_top4", None)
-
-
-def test_auto_tile_pages_per_estimator():
-    # "auto": 64 pages for the two-slot estimators on int8 summaries, 32 otherwise; an
-    # explicit size wins; anything else is refused with the allowed values.
-    assert moira.ESTIMATE_LAUNCH["tile_pages"] == "auto"
-    assert moira._estimate_tile_pages("auto", 0, True) == 64
-    assert moira._estimate_tile_pages("auto", 0, False) == 32
-    assert moira._estimate_tile_pages("auto", 8, True) == 32
-    assert moira._estimate_tile_pages(16, 0, True) == 16
-    for bad in (0, 48, "64", None):
-        with pytest.raises(ValueError, match=r"tile_pages'\] must be 'auto' or a power of two"):
-            moira._estimate_tile_pages(bad, 0, True)
 
 
 @pytest.mark.parametrize(

@@ -115,45 +115,6 @@ MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
 #: int8 summaries: half the memory of bf16 at the same accuracy (docs/estimator.md).
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 
-# Launch configurations. Each value is the fastest measured on the H200
-# (docs/design.md); benchmarks/moira_correctness.py sweeps the alternatives
-# by changing these dicts in place.
-ESTIMATE_LAUNCH: dict[str, Any] = {
-    # Pages per summary program, or "auto" (_estimate_tile_pages).
-    "tile_pages": "auto",
-    "num_warps": 2,
-    # Software-pipeline depth of the stored-key loop.
-    "key_stages": 3,
-    # Register cap per thread (None: ptxas's choice): 8 programs per SM
-    # instead of 6.
-    "maxnreg": 128,
-}
-# Tokens of the slot mapping per writer program: a 64-token window of one
-# request holds one page end, so about one program per page to summarize.
-WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
-# Select on rows that fit one register tile of more than
-# _SELECT_SHORT_TILE_PAGES pages: K_B = long_lanes thresholds tested per
-# bisection pass in one 2D reduction (1: one reduction per threshold).
-SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
-# Attend (paper App. A: 4 warps, 3 stages). num_stages None: by the KV cache's
-# dtype (ATTEND_STAGES_BY_KV); a number sets both (launch sweeps, probes).
-# maxnreg: the register cap that fits 3 blocks per SM (the N_F that
-# ATTEND_BLOCKS_PER_SM counts on) with no spills.
-ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": 168}
-# An fp8 page is half a bf16 page's bytes, so 5 stages take about the shared
-# memory of 3 bf16 ones (3 blocks per SM still fit) and keep more pages in
-# flight, which fp8 pages need: one page per iteration leaves bf16's loop
-# latency-bound on half the bytes. H200 sweep (benchmarks/results/fp8/): the
-# same output bits, Attend -11% at 4x131072; more stages do not help bf16.
-ATTEND_STAGES_BY_KV = {"bf16": 3, "fp8": 5}
-# Attend blocks resident per SM at ATTEND_LAUNCH on the H200; N_F = 0 aims a
-# small step at this many blocks per SM, one full wave.
-ATTEND_BLOCKS_PER_SM = 3
-# Programmatic dependent launch (Hopper): each decode-step kernel may be
-# scheduled while the previous one finishes, and waits (gdc_wait) for its
-# memory first; same outputs, bit for bit, as plain launches.
-DECODE_LAUNCH: dict[str, Any] = {"pdl": True}
-
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
@@ -175,6 +136,186 @@ MOIRA_PAPER_SETTINGS: dict[str, Any] = {
     "dense_steps": "moira",
     "refine": "off",
 }
+
+
+# Launch parameters
+# --------------------------------------------------------------------------
+# Each kernel's launch comes from a function of the shapes and dtypes it runs
+# on. Benchmarks and probes pass overrides, by kernel (``LAUNCH_KERNELS``), to
+# MoiraWorkspace(launch=...) or to a launcher's ``launch`` argument; a
+# workspace keeps its overrides, so a graph captured on it replays them.
+
+#: Kernels whose launch a ``launch`` mapping overrides ("step": the whole
+#: decode step's dependent launches).
+LAUNCH_KERNELS = ("writer", "estimate", "select", "refine", "attend", "step")
+#: Attend blocks resident per SM at Attend's register cap; N_F = 0 aims a step
+#: at this many blocks per SM, one full wave.
+ATTEND_BLOCKS_PER_SM = 3
+# Estimate's warps. The summary writer runs on them too: the per-channel sums
+# of a page summary are reduced in the order of the warps' layout, and the
+# writer and Estimate must store the same bits for the same page.
+_ESTIMATE_NUM_WARPS = 2
+
+
+@dataclass(frozen=True)
+class WriterLaunch:
+    #: Tokens of the slot mapping per program: a 64-token window of one
+    #: request holds one page end, so about one program per page to summarize.
+    window_tokens: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class EstimateLaunch:
+    #: Pages per summary program.
+    tile_pages: int
+    num_warps: int
+    #: Software-pipeline depth of the stored-key loop.
+    key_stages: int
+    #: Register cap per thread (None: ptxas's choice).
+    maxnreg: int | None
+
+
+@dataclass(frozen=True)
+class SelectLaunch:
+    #: K_B: thresholds tested per bisection pass in one 2D reduction (1: one
+    #: reduction per threshold, K_B by the row's length).
+    lanes: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class RefineLaunch:
+    #: Pages per refine tile (the candidate test is one [G, pages] tile).
+    tile_pages: int
+    #: Depth of the software-pipelined loop over a tile's refined pages.
+    pipeline_stages: int
+    num_warps: int
+    #: About how many refine programs a step launches (refine_programs_per_list).
+    step_programs: int
+
+
+@dataclass(frozen=True)
+class AttendLaunch:
+    num_warps: int
+    num_stages: int
+    #: Register cap per thread (None: ptxas's choice).
+    maxnreg: int | None
+
+
+def _overridden(kernel: str, defaults: dict[str, Any], overrides: Mapping[str, Any] | None):
+    """``defaults`` with ``overrides``; a key that ``kernel``'s launch does not have is
+    refused, naming the ones it has."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"Moira: {kernel} launch overrides {unknown} are not among {sorted(defaults)}"
+        )
+    return {**defaults, **overrides}
+
+
+def _power_of_two(kernel: str, name: str, value: Any, allowed: range) -> None:
+    if not isinstance(value, int) or value & (value - 1) or value not in allowed:
+        raise ValueError(
+            f"Moira: {kernel} launch {name} must be a power of two in "
+            f"[{allowed.start}, {allowed.stop - 1}], got {value!r}"
+        )
+
+
+def writer_launch(overrides: Mapping[str, Any] | None = None) -> WriterLaunch:
+    """The summary writer's launch: 64-token windows on Estimate's warps."""
+    values = _overridden(
+        "writer", {"window_tokens": 64, "num_warps": _ESTIMATE_NUM_WARPS}, overrides
+    )
+    _power_of_two("writer", "window_tokens", values["window_tokens"], range(1, 1025))
+    return WriterLaunch(**values)
+
+
+def estimate_launch(
+    num_top: int, int8: bool, overrides: Mapping[str, Any] | None = None
+) -> EstimateLaunch:
+    """Estimate's launch for an estimator with ``num_top`` stored keys on int8 (or bf16)
+    summaries. Two-slot int8 summaries take 64-page programs, which otherwise have
+    little to do besides their fixed work; 128 registers per thread fit 8 programs
+    per SM instead of 6."""
+    defaults = {
+        "tile_pages": 64 if num_top == 0 and int8 else 32,
+        "num_warps": _ESTIMATE_NUM_WARPS,
+        "key_stages": 3,
+        "maxnreg": 128,
+    }
+    values = _overridden("estimate", defaults, overrides)
+    _power_of_two("estimate", "tile_pages", values["tile_pages"], range(16, 1025))
+    return EstimateLaunch(**values)
+
+
+def select_launch(
+    tile_pages: int, num_tiles: int, overrides: Mapping[str, Any] | None = None
+) -> SelectLaunch:
+    """Select's launch for rows of ``num_tiles`` register tiles of ``tile_pages`` pages.
+    Rows of one tile test ``long_lanes`` thresholds per pass in one 2D reduction, which
+    needs the whole row in registers; tiles of 1024+ pages take ``long_num_warps``."""
+    values = _overridden("select", {"long_lanes": 8, "long_num_warps": 16}, overrides)
+    _power_of_two("select", "long_lanes", values["long_lanes"], range(1, 17))
+    return SelectLaunch(
+        lanes=values["long_lanes"] if num_tiles == 1 else 1,
+        num_warps=values["long_num_warps"] if tile_pages >= 1024 else 4,
+    )
+
+
+def refine_launch(overrides: Mapping[str, Any] | None = None) -> RefineLaunch:
+    """The refine kernel's launch. Smaller tiles spread a list's refined pages over more
+    programs (a program refines its tiles' pages one after another); the pipelined loop
+    copies the next pages' keys while this page's softmax runs. The grid depends only on
+    the step's rows and max_model_len, so capping the programs per step keeps a step
+    whose rows are short from launching programs that find nothing to do."""
+    defaults = {"tile_pages": 16, "pipeline_stages": 3, "num_warps": 4, "step_programs": 4096}
+    values = _overridden("refine", defaults, overrides)
+    if values["tile_pages"] not in (16, 32, 64, 128):
+        raise ValueError(
+            f"Moira: refine launch tile_pages must be one of (16, 32, 64, 128), "
+            f"got {values['tile_pages']!r}"
+        )
+    stages = values["pipeline_stages"]
+    if not isinstance(stages, int) or not 1 <= stages <= 6:
+        raise ValueError(
+            f"Moira: refine launch pipeline_stages must be an integer in 1..6, got {stages!r}"
+        )
+    step_programs = values["step_programs"]
+    if not isinstance(step_programs, int) or step_programs < 1:
+        raise ValueError(
+            f"Moira: refine launch step_programs must be a positive integer, "
+            f"got {step_programs!r}"
+        )
+    return RefineLaunch(**values)
+
+
+def attend_launch(kv_fp8: bool, overrides: Mapping[str, Any] | None = None) -> AttendLaunch:
+    """Attend's launch on a bf16 or fp8 KV cache: the paper's 4 warps and 3 stages on
+    bf16 pages; 5 on fp8 pages, half a bf16 page's bytes, so the same shared memory
+    keeps more pages in flight; a register cap that fits ATTEND_BLOCKS_PER_SM blocks
+    per SM without spills."""
+    defaults = {"num_warps": 4, "num_stages": 5 if kv_fp8 else 3, "maxnreg": 168}
+    return AttendLaunch(**_overridden("attend", defaults, overrides))
+
+
+def check_launch_overrides(
+    launch: Mapping[str, Mapping[str, Any]] | None,
+) -> dict[str, Mapping[str, Any]]:
+    """``launch`` (overrides by kernel, LAUNCH_KERNELS) checked: an unknown kernel or
+    setting, or a value out of range, is refused before anything is launched."""
+    launch = dict(launch or {})
+    unknown = sorted(set(launch) - set(LAUNCH_KERNELS))
+    if unknown:
+        raise ValueError(f"Moira: launch overrides for {unknown}; kernels: {LAUNCH_KERNELS}")
+    writer_launch(launch.get("writer"))
+    estimate_launch(0, True, launch.get("estimate"))
+    select_launch(_SELECT_MAX_TILE_PAGES, 1, launch.get("select"))
+    refine_launch(launch.get("refine"))
+    attend_launch(False, launch.get("attend"))
+    _overridden("step", {"pdl": True}, launch.get("step"))
+    return launch
 
 
 @dataclass(frozen=True)
@@ -439,18 +580,6 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _estimate_tile_pages(setting: int | str, num_top: int, int8: bool) -> int:
-    """ESTIMATE_LAUNCH["tile_pages"] -> pages per Estimate summary program for
-    an estimator with ``num_top`` stored keys on int8 (or bf16) summaries."""
-    if setting == "auto":
-        return 64 if num_top == 0 and int8 else 32
-    if not isinstance(setting, int) or setting < 16 or setting & (setting - 1):
-        raise ValueError(
-            f"ESTIMATE_LAUNCH['tile_pages'] must be 'auto' or a power of two >= 16, got {setting!r}"
-        )
-    return setting
-
-
 def _estimate_rows(group_size: int, int8: bool) -> int:
     """Query-head columns of Estimate's [pages, heads] tiles: GROUP_ROWS for
     bf16 products (tl.dot's 16-row minimum), G padded to a power of two and to
@@ -468,12 +597,17 @@ def _register_cap(maxnreg: int | None) -> dict[str, int]:
     return {"maxnreg": int(maxnreg)}
 
 
-def _dependent_launch() -> dict[str, Any]:
-    """USE_GDC flag and the launch option of a decode-step kernel (DECODE_LAUNCH). Empty (plain launches, where stream order starts
-    each kernel after the previous one) under the interpreter, without
-    Triton's grid dependency control, and off a Hopper GPU."""
+def _dependent_launch(launch: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Any]:
+    """USE_GDC flag and the launch option of a decode-step kernel: Hopper's
+    programmatic dependent launch, so each kernel may be scheduled while the
+    previous one finishes and waits (gdc_wait) for its memory first, with the
+    same outputs, bit for bit, as plain launches. Empty (plain launches, where
+    stream order starts each kernel after the previous one) when ``launch``'s
+    "step" overrides set pdl False, under the interpreter, without Triton's
+    grid dependency control, and off a Hopper GPU."""
+    step = _overridden("step", {"pdl": True}, (launch or {}).get("step"))
     on = (
-        bool(DECODE_LAUNCH["pdl"])
+        bool(step["pdl"])
         and gdc_wait is not None
         and not _triton_interpreting()
         and torch.cuda.is_available()
@@ -752,6 +886,7 @@ def write_page_summaries(
     summaries: torch.Tensor,
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
+    launch: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
@@ -761,11 +896,12 @@ def write_page_summaries(
     r / 2 + 1, D]`` uint8 (int4 stored keys, two per row): its slot count selects
     the summary (2: mean and variance of the 64 keys, for mvar; 2 + r: bulk mean
     and variance and the r farthest keys, for mvar_top8).
-    It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
+    It runs on Estimate's warps (writer_launch), which summarizes the pages
     that decode rows fill (``write_filled_pages``), so that both store the
     same bits (the per-channel sums are reduced in the order of the warps'
     layout, and int8 scales keep every fp32 bit of it). Graph-safe: the grid
-    is the number of tokens over WRITER_LAUNCH["window_tokens"]; no host sync.
+    is the number of tokens over the launch's window; no host sync.
+    ``launch``: launch overrides by kernel (``check_launch_overrides``).
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` (the layer's fp32 scale, one
     value): the summaries are those of the dequantized keys.
     """
@@ -783,13 +919,8 @@ def write_page_summaries(
         )
     assert kv_cache.stride(-1) == 1 and summaries.is_contiguous()
     kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
-    window_tokens = WRITER_LAUNCH["window_tokens"]
-    if window_tokens & (window_tokens - 1) or not 1 <= window_tokens <= 1024:
-        raise ValueError(
-            f"WRITER_LAUNCH['window_tokens'] must be a power of two in [1, 1024], "
-            f"got {window_tokens}"
-        )
-    grid = (triton.cdiv(num_tokens, window_tokens), kv_cache.shape[1])
+    writer = writer_launch((launch or {}).get("writer"))
+    grid = (triton.cdiv(num_tokens, writer.window_tokens), kv_cache.shape[1])
     kernel_moira_write_summaries[grid](
         kv_cache,
         kernel_summaries,
@@ -806,13 +937,13 @@ def write_page_summaries(
         scales.stride(1),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        WINDOW_TOKENS=window_tokens,
+        WINDOW_TOKENS=writer.window_tokens,
         NUM_TOP=num_top,
         INT8=int8,
         INT4=int4,
         KV_FP8=kv_fp8,
-        num_warps=ESTIMATE_LAUNCH["num_warps"],
-        **_dependent_launch(),
+        num_warps=writer.num_warps,
+        **_dependent_launch(launch),
     )
 
 
@@ -1369,6 +1500,7 @@ def estimate_page_logmass(
     list_pages: torch.Tensor | None = None,
     write_filled_pages: bool = False,
     k_scale: torch.Tensor | None = None,
+    launch: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
@@ -1383,7 +1515,8 @@ def estimate_page_logmass(
     all in (``seq_len % 64 == 0``), as ``write_page_summaries`` does for its
     last slot: the decode step's summary write, without a launch of its own.
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` (the layer's fp32 scale, one
-    value): the exact pages read the dequantized keys."""
+    value): the exact pages read the dequantized keys. ``launch``: launch
+    overrides by kernel (``check_launch_overrides``)."""
     kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
@@ -1401,9 +1534,9 @@ def estimate_page_logmass(
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
     kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
-    tile_pages = _estimate_tile_pages(ESTIMATE_LAUNCH["tile_pages"], num_top, int8)
+    est = estimate_launch(num_top, int8, (launch or {}).get("estimate"))
     # The two exact-page programs (sink, current page), then the summary tiles.
-    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
+    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, est.tile_pages))
     kernel_moira_estimate[grid](
         query,
         kv_cache,
@@ -1424,18 +1557,18 @@ def estimate_page_logmass(
         EST_ROWS=_estimate_rows(group_size, int8),
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=tile_pages,
+        TILE_PAGES=est.tile_pages,
         NUM_TOP=num_top,
         SKIP_DENSE_ROWS=selector_params is not None,
         INT8=int8,
-        KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
+        KEY_STAGES=est.key_stages,
         RESET_LIST_PAGES=list_pages is not None,
         WRITE_FILLED_PAGE=write_filled_pages,
         KV_FP8=kv_fp8,
         INT4=int4,
-        num_warps=ESTIMATE_LAUNCH["num_warps"],
-        **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
-        **_dependent_launch(),
+        num_warps=est.num_warps,
+        **_register_cap(est.maxnreg),
+        **_dependent_launch(launch),
     )
 
 
@@ -1825,6 +1958,7 @@ def select_pages(
     row_gamma: torch.Tensor | None = None,
     list_pages: torch.Tensor | None = None,
     select_stats: torch.Tensor | None = None,
+    launch: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
@@ -1840,16 +1974,14 @@ def select_pages(
     and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
     ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
     was last zeroed. ``list_pages`` (int32 ``[1]``, zeroed by Estimate) gets
-    the lengths of all the lists added, for Attend's chunk size.
+    the lengths of all the lists added, for Attend's chunk size. ``launch``:
+    launch overrides by kernel (``check_launch_overrides``).
     """
     num_kv_heads, group_size = logmass.shape[1], logmass.shape[2]
     tile_pages = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
     num_tiles = triton.cdiv(max_pages, tile_pages)
     assert pibar.shape[-1] >= num_tiles * tile_pages
-    # The 2D-lane bisection needs the whole row in one register tile.
-    long_lanes = SELECT_LAUNCH["long_lanes"] if num_tiles == 1 else 1
-    if long_lanes & (long_lanes - 1) or not 1 <= long_lanes <= 16:
-        raise ValueError(f"SELECT_LAUNCH['long_lanes'] must be 1, 2, 4, 8 or 16, got {long_lanes}")
+    select = select_launch(tile_pages, num_tiles, (launch or {}).get("select"))
     kernel_moira_select[(num_rows, num_kv_heads)](
         logmass,
         seq_lens,
@@ -1879,53 +2011,29 @@ def select_pages(
         TILE_PAGES=tile_pages,
         NUM_TILES=num_tiles,
         SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
-        LONG_LANES=long_lanes,
+        LONG_LANES=select.lanes,
         # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
-        LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
+        LONG_LANE_PASSES=24 // max(select.lanes.bit_length() - 1, 1),
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
         HAS_LIST_PAGES=list_pages is not None and select_stats is None,
         STORE_STATS=select_stats is not None,
-        num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
-        **_dependent_launch(),
+        num_warps=select.num_warps,
+        **_dependent_launch(launch),
     )
 
 
 # ==========================================================================
 # Refine (not in the paper): Estimate's second stage, refine="wide"
 # ==========================================================================
-# REFINE_LAUNCH["tile_pages"]: pages per refine tile (the candidate test is
-# one [G, pages] tile; tl.dot needs at least 16). A program refines a tile's
-# pages one after another, so smaller tiles spread a list's refined pages over
-# more programs. "pipeline_stages": depth of the software-pipelined loop over
-# a tile's refined pages (compacted first), so the next pages' keys are copied
-# while this page's softmax runs. "step_programs": about how many refine
-# programs a step launches (refine_programs_per_list): the grid depends only on
-# the step's rows and max_model_len, so one program per tile of max_model_len
-# would launch, per layer and step, programs that mostly find their row shorter;
-# capped, a program takes every P-th tile of its list.
-REFINE_LAUNCH: dict[str, Any] = {
-    "pipeline_stages": 3,
-    "num_warps": 4,
-    "tile_pages": 16,
-    "step_programs": 4096,
-}
-_REFINE_TILE_PAGES_ALLOWED = (16, 32, 64, 128)
-
-
 def refine_programs_per_list(
-    num_rows: int, num_kv_heads: int, max_pages: int, tile_pages: int
+    num_rows: int, num_kv_heads: int, max_pages: int, launch: RefineLaunch
 ) -> int:
     """Refine programs per (row, KV head) list: enough that the step launches about
-    REFINE_LAUNCH["step_programs"] programs, at most one per tile of max_pages."""
-    step_programs = REFINE_LAUNCH["step_programs"]
-    if not isinstance(step_programs, int) or step_programs < 1:
-        raise ValueError(
-            "Moira: REFINE_LAUNCH['step_programs'] must be a positive integer, "
-            f"got {step_programs!r}"
-        )
+    ``launch.step_programs`` programs, at most one per tile of max_pages."""
     lists = max(num_rows * num_kv_heads, 1)
-    return max(1, min(triton.cdiv(max_pages, tile_pages), triton.cdiv(step_programs, lists)))
+    tiles = triton.cdiv(max_pages, launch.tile_pages)
+    return max(1, min(tiles, triton.cdiv(launch.step_programs, lists)))
 
 
 def _select_stats_width(group_size: int) -> int:
@@ -1972,7 +2080,7 @@ def kernel_moira_refine(
     NUM_TOP: tl.constexpr,
     INT8: tl.constexpr,
     KV_FP8: tl.constexpr,
-    PIPELINE_STAGES: tl.constexpr,  # REFINE_LAUNCH["pipeline_stages"]
+    PIPELINE_STAGES: tl.constexpr,  # RefineLaunch.pipeline_stages
     USE_GDC: tl.constexpr = False,
 ):
     # Programs (row, KV head, p): program p of a list takes its tiles of
@@ -2094,10 +2202,12 @@ def refine_page_logmass(
     scale: float,
     estimator: str,
     k_scale: torch.Tensor | None = None,
+    launch: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """refine="wide": overwrite ``logmass`` of the pages kernel_moira_refine picks
     with their exact log-mass. ``select_stats`` is the first Select's
-    (``select_pages(..., select_stats=...)``) on the same log-masses."""
+    (``select_pages(..., select_stats=...)``) on the same log-masses. ``launch``:
+    launch overrides by kernel (``check_launch_overrides``)."""
     kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
@@ -2108,22 +2218,8 @@ def refine_page_logmass(
     stats_rows = triton.next_power_of_2(group_size)  # Select's GROUP_ROWS
     assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
-    stages = REFINE_LAUNCH["pipeline_stages"]
-    if not isinstance(stages, int) or not 1 <= stages <= 6:
-        raise ValueError(
-            f"Moira: REFINE_LAUNCH['pipeline_stages'] must be an integer in 1..6, got {stages!r}"
-        )
-    tile_pages = REFINE_LAUNCH["tile_pages"]
-    if tile_pages not in _REFINE_TILE_PAGES_ALLOWED:
-        raise ValueError(
-            f"Moira: REFINE_LAUNCH['tile_pages'] must be one of {_REFINE_TILE_PAGES_ALLOWED}, "
-            f"got {tile_pages!r}"
-        )
-    grid = (
-        num_rows,
-        num_kv_heads,
-        refine_programs_per_list(num_rows, num_kv_heads, max_pages, tile_pages),
-    )
+    refine = refine_launch((launch or {}).get("refine"))
+    grid = (num_rows, num_kv_heads, refine_programs_per_list(num_rows, num_kv_heads, max_pages, refine))
     kernel_moira_refine[grid](
         query,
         kv_cache,
@@ -2145,13 +2241,13 @@ def refine_page_logmass(
         STATS_ROWS=stats_rows,
         HEAD_SIZE=head_size,
         PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=tile_pages,
+        TILE_PAGES=refine.tile_pages,
         NUM_TOP=num_top,
         INT8=int8,
         KV_FP8=kv_fp8,
-        PIPELINE_STAGES=stages,
-        num_warps=REFINE_LAUNCH["num_warps"],
-        **_dependent_launch(),
+        PIPELINE_STAGES=refine.pipeline_stages,
+        num_warps=refine.num_warps,
+        **_dependent_launch(launch),
     )
 
 
@@ -2466,7 +2562,8 @@ def attend(
     page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
     N_F blocks (``workspace.attend_fill_blocks``) share the step's pages
-    evenly; Merge combines the lists that span several blocks.
+    evenly; Merge combines the lists that span several blocks. The launch is
+    ``attend_launch`` with the workspace's overrides.
     ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
     leaves it in ``workspace.list_pages``; None sums the counts here (one
     reduction on the device, into ``workspace.list_pages``).
@@ -2493,6 +2590,7 @@ def attend(
     # A few tile sizes (so a few compiled variants) cover every batch; the
     # scan over the step's list lengths loops over tiles beyond 1024 lists.
     lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
+    launch = attend_launch(kv_fp8, workspace.launch.get("attend"))
     kernel_moira_attend[(num_blocks,)](
         query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
         workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg, scale,
@@ -2506,10 +2604,10 @@ def attend(
         PAGE_SIZE=MOIRA_PAGE_SIZE,
         LISTS_TILE=lists_tile,
         KV_FP8=kv_fp8,
-        num_warps=ATTEND_LAUNCH["num_warps"],
-        num_stages=attend_num_stages(kv_fp8),
-        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
-        **_dependent_launch(),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **_register_cap(launch.maxnreg),
+        **_dependent_launch(workspace.launch),
     )  # fmt: skip
     kernel_moira_merge[(num_rows, num_q_heads)](
         page_count, list_pages, workspace.partial_out, workspace.partial_lse, output,
@@ -2519,15 +2617,8 @@ def attend(
         HEAD_SIZE=head_size,
         TILE_CHUNKS=_MERGE_TILE_CHUNKS,
         num_warps=4,
-        **_dependent_launch(),
+        **_dependent_launch(workspace.launch),
     )  # fmt: skip
-
-
-def attend_num_stages(kv_fp8: bool) -> int:
-    """Attend's pipeline stages: ATTEND_LAUNCH["num_stages"] when set, else the KV
-    cache dtype's (ATTEND_STAGES_BY_KV)."""
-    stages = ATTEND_LAUNCH["num_stages"]
-    return ATTEND_STAGES_BY_KV["fp8" if kv_fp8 else "bf16"] if stages is None else stages
 
 
 # ==========================================================================
@@ -2549,6 +2640,8 @@ class MoiraWorkspace:
     Allocated once (before CUDA-graph capture) and shared by all layers of a
     model (layers run one after another). Every launch reads and writes views
     of these tensors, so a captured graph replays against the same addresses.
+    ``launch``: launch overrides by kernel for this workspace's decode steps
+    (benchmarks and probes; ``check_launch_overrides``), fixed like the grids.
     """
 
     def __init__(
@@ -2560,8 +2653,10 @@ class MoiraWorkspace:
         max_pages: int,
         config: MoiraConfig,
         device: torch.device | str,
+        launch: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         config.validate()
+        self.launch = check_launch_overrides(launch)
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(
                 f"Moira: num_q_heads ({num_q_heads}) must be a multiple of "
@@ -2769,6 +2864,7 @@ def estimate_and_select(
         list_pages=workspace.list_pages,
         write_filled_pages=write_filled_pages,
         k_scale=k_scale,
+        launch=workspace.launch,
     )
     if workspace.select_stats is not None:
         # refine="wide": Select once for the threshold, refine, then the real Select.
@@ -2784,10 +2880,11 @@ def estimate_and_select(
             workspace.read_stats,
             row_gamma=workspace.row_gamma,
             select_stats=workspace.select_stats,
+            launch=workspace.launch,
         )
         refine_page_logmass(
             query, kv_cache, summaries, block_table, seq_lens, workspace.logmass,
-            workspace.select_stats, scale, workspace.config.estimator, k_scale,
+            workspace.select_stats, scale, workspace.config.estimator, k_scale, workspace.launch,
         )  # fmt: skip
     select_pages(
         workspace.logmass,
@@ -2801,6 +2898,7 @@ def estimate_and_select(
         workspace.read_stats,
         row_gamma=workspace.row_gamma,
         list_pages=workspace.list_pages,
+        launch=workspace.launch,
     )
 
 
