@@ -165,6 +165,9 @@ MATRIX = [
      r"unknown environment variable\(s\) \['MOIRA_MIN_CHUNK_PAGES'\]; supported: \[", True),
     ("schedule-removed", "llama", {}, {"MOIRA_ATTEND_SCHEDULE": "lists"}, {},
      r"unknown environment variable\(s\) \['MOIRA_ATTEND_SCHEDULE'\]; supported: \[", True),
+    ("dense-steps-internal", "llama", {}, {"MOIRA_DENSE_STEPS": "moira"}, {},
+     r"unknown environment variable\(s\) \['MOIRA_DENSE_STEPS'\]; supported: \[.*"
+     r"'MOIRA_REFINE'", True),
     ("estimator-name", "llama", {}, {"MOIRA_ESTIMATOR": "box"}, {},
      r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_top8'\) \(default 'mvar_top8'\), "
      r"got 'box'", True),

@@ -25,7 +25,6 @@ backend (metadata, builder, backend, impl).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import weakref
@@ -320,8 +319,11 @@ def check_launch_overrides(
 
 @dataclass(frozen=True)
 class MoiraConfig:
-    """Knobs of the Moira decode step. The defaults are what the backend
-    serves; ``MoiraConfig.paper()`` is the paper's algorithm (§3.3)."""
+    """Settings of the Moira decode step. The defaults are what the backend
+    serves; ``MoiraConfig.paper()`` is the paper's decode step (§3.3). The
+    first seven are the user's options (the MOIRA_* variables,
+    ``moira_config_from_env``); the rest are the backend's settings, which
+    benchmarks and tests change in process."""
 
     #: Coverage: keep the fewest pages whose estimated share reaches gamma.
     gamma: float = 0.98
@@ -332,18 +334,6 @@ class MoiraConfig:
     fixed_pages: int | None = None
     #: Or, for ``selector="fixed"``, K = ceil(fixed_fraction * pages of the row).
     fixed_fraction: float | None = None
-    #: N_F: Attend blocks of a step, which share its pages evenly. 0 = the
-    #: blocks the device holds at once (resolve_attend_fill_blocks).
-    attend_fill_blocks: int = 0
-    #: Rows with (context tokens) x (decode rows in the batch) at or below
-    #: this read every page, skipping Estimate and Select, whose fixed latency
-    #: a small batch's few pages do not repay (docs/design.md). Decided per
-    #: row on the GPU; 0 = off.
-    dense_batch_tokens: int = 36864
-    #: One of MOIRA_DENSE_STEPS: what a step whose rows are all dense runs.
-    #: Either way those rows read every page; "fa3" drops the fixed cost of
-    #: Moira's launches. Decided per step on the host (V2 runner).
-    dense_steps: str = "fa3"
     #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary
     #: layout (``summary_slots``) when the KV cache is allocated.
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
@@ -353,6 +343,18 @@ class MoiraConfig:
     #: One of MOIRA_REFINE_MODES: Estimate's second stage (exact masses for the
     #: wide pages near the threshold; coverage rule only).
     refine: str = MOIRA_DEFAULT_REFINE
+    #: N_F: Attend blocks of a step, which share its pages evenly. 0 = the
+    #: blocks the device holds at once (resolve_attend_fill_blocks).
+    attend_fill_blocks: int = 0
+    #: Rows with (context tokens) x (decode rows in the batch) at or below
+    #: this read every page, skipping Estimate and Select, whose fixed latency
+    #: a small batch's few pages do not repay. Decided per row on the GPU;
+    #: 0 = off.
+    dense_batch_tokens: int = 36864
+    #: One of MOIRA_DENSE_STEPS: what a step whose rows are all dense runs.
+    #: Either way those rows read every page; "fa3" drops the fixed cost of
+    #: Moira's launches. Decided per step on the host (V2 runner).
+    dense_steps: str = "fa3"
 
     @classmethod
     def paper(cls, **changes: Any) -> MoiraConfig:
@@ -476,59 +478,54 @@ def summary_slots(estimator: str) -> int:
     return 2 + estimator_num_top(estimator)
 
 
-# MOIRA_* environment variable -> (MoiraConfig field, type). Environment
-# variables reach every process vLLM starts (API server, engine core,
-# workers) without changes to vLLM's config classes, and vLLM's check of
-# VLLM_* names leaves them alone.
+# MOIRA_* environment variable -> (MoiraConfig field, type): the options a user
+# sets (docs/usage.md). Environment variables reach every process vLLM starts
+# (API server, engine core, workers) without changes to vLLM's config classes,
+# and vLLM's check of VLLM_* names leaves them alone.
 _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_GAMMA": ("gamma", float),
     "MOIRA_SELECTOR": ("selector", str),
     "MOIRA_FIXED_PAGES": ("fixed_pages", int),
     "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
     "MOIRA_ESTIMATOR": ("estimator", str),
-    "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
-    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
-    "MOIRA_DENSE_STEPS": ("dense_steps", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
     "MOIRA_REFINE": ("refine", str),
 }
-
-_MOIRA_REMOVED_ENV = (
-    "MOIRA_ATTEND_SCHEDULE",
-    "MOIRA_MIN_CHUNK_PAGES",
-    "MOIRA_MIN_SPLITS_PER_ROW",
-    "MOIRA_MIN_SPLITS_TOTAL",
-)
+# Benchmark-only: the accuracy runs read every row through the selector (0),
+# where serving reads short rows whole.
+_MOIRA_BENCHMARK_ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
+}
+# MOIRA_* names of the project's tooling (build, tests, scripts), not options.
+_MOIRA_TOOLING_ENV = frozenset({
+    "MOIRA_BUILD_ARGS", "MOIRA_CACHE_DIR", "MOIRA_NO_PIP", "MOIRA_PATCHES_DIR",
+    "MOIRA_PATCH_TOOL", "MOIRA_SKIP_GPU_CHECK", "MOIRA_SKIP_LINT", "MOIRA_SKIP_REAL_MODEL",
+    "MOIRA_TEST_ATTEND_LAUNCH", "MOIRA_TEST_ESTIMATE_LAUNCH", "MOIRA_TEST_GPU",
+    "MOIRA_USE_ACTIVE_ENV", "MOIRA_VENV", "MOIRA_VLLM_SDIST", "MOIRA_VLLM_TESTS_REPORT",
+})  # fmt: skip
 
 
 def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
     """Build and validate the MoiraConfig from MOIRA_* environment variables.
 
     Unset variables keep MoiraConfig's defaults. Errors name the variable and
-    its allowed values. Near-misses of a variable's name (e.g. MOIRA_GAMA)
-    are rejected, so a typo cannot silently run with the default.
+    its allowed values. Any other MOIRA_* name that is not the project's
+    tooling (a typo, or an option that no longer exists) is refused with the
+    supported ones, so it cannot silently run with the defaults.
     """
     environ = os.environ if environ is None else environ
-    # Other MOIRA_* names belong to the project's tooling (MOIRA_VENV,
-    # MOIRA_TEST_GPU, ...); near-misses of a knob are typos, and knobs of the
-    # removed Attend schedule no longer apply.
+    fields = {**_MOIRA_ENV_FIELDS, **_MOIRA_BENCHMARK_ENV_FIELDS}
     unknown = sorted(
-        k
-        for k in environ
-        if k.startswith("MOIRA_")
-        and k not in _MOIRA_ENV_FIELDS
-        and (
-            k in _MOIRA_REMOVED_ENV
-            or difflib.get_close_matches(k, _MOIRA_ENV_FIELDS, n=1, cutoff=0.85)
-        )
-    )
+        k for k in environ
+        if k.startswith("MOIRA_") and k not in fields and k not in _MOIRA_TOOLING_ENV
+    )  # fmt: skip
     if unknown:
         raise ValueError(
-            f"Moira: unknown environment variable(s) {unknown}; "
-            f"supported: {sorted(_MOIRA_ENV_FIELDS)}"
+            f"Moira: unknown environment variable(s) {unknown}; supported: "
+            f"{sorted(_MOIRA_ENV_FIELDS)} (benchmarks: {sorted(_MOIRA_BENCHMARK_ENV_FIELDS)})"
         )
     kwargs: dict[str, Any] = {}
-    for env_name, (field_name, kind) in _MOIRA_ENV_FIELDS.items():
+    for env_name, (field_name, kind) in fields.items():
         raw = environ.get(env_name)
         if raw is None or raw.strip() == "":
             continue
@@ -538,7 +535,7 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
         except ValueError:
             raise ValueError(f"Moira: {env_name}={raw!r} is not a valid {kind.__name__}") from None
     config = MoiraConfig(**kwargs)
-    config.validate({field: env for env, (field, _) in _MOIRA_ENV_FIELDS.items()})
+    config.validate({field: env for env, (field, _) in fields.items()})
     return config
 
 
@@ -3195,8 +3192,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.moira_config = moira_config_from_env()
         logger.info_once(
             "MOIRA decode: %s (rows with context x decode rows <= %d tokens read every "
-            "page: MOIRA_DENSE_BATCH_TOKENS, 0 = off; Attend aims small steps at %d "
-            "blocks: MOIRA_ATTEND_FILL_BLOCKS, 0 = the blocks this GPU holds at once)",
+            "page; Attend runs %d blocks, the blocks this GPU holds at once)",
             self.moira_config,
             self.moira_config.dense_batch_tokens,
             resolve_attend_fill_blocks(self.moira_config, device),
@@ -3326,8 +3322,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if self._capturing or cam.seq_lens_cpu_upper_bound is None:
             return
         logger.info_once(
-            "MOIRA: decode steps whose rows are all dense run FA3 in their own CUDA "
-            "graphs (MOIRA_DENSE_STEPS=fa3)"
+            "MOIRA: decode steps whose rows are all dense run FA3 in their own CUDA graphs"
         )
         seq = cam.seq_lens_cpu_upper_bound[: cam.num_reqs].numpy()
         pages = int(((seq + (MOIRA_PAGE_SIZE - 1)) // MOIRA_PAGE_SIZE).sum())
