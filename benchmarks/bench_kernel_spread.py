@@ -334,7 +334,7 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
     for i, pages in enumerate(lists):
         page_list[i // HKV, i % HKV, : len(pages)] = torch.from_numpy(pages).int()
     page_list = page_list.cuda()
-    page_count = torch.tensor(lengths, dtype=torch.int32).view(shape.batch, HKV).cuda()
+    list_lengths = torch.tensor(lengths, dtype=torch.int32).view(shape.batch, HKV).cuda()
     moira_out = torch.empty_like(shape.query)
 
     def moira_arm():
@@ -343,7 +343,7 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
         paper = PaperAttend(shape.batch, HQ, HKV, D, args.fill_blocks, "cuda",
                             min_chunk_pages=args.min_chunk_pages)  # fmt: skip
         fn = lambda: paper(shape.query, shape.kv, shape.table, shape.seq, page_list,
-                           page_count, moira_out, scale)  # fmt: skip
+                           list_lengths, moira_out, scale)  # fmt: skip
         return timer(fn), {}
 
     pages_out = torch.empty_like(shape.query)
@@ -355,7 +355,7 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
             ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, args.moira_config,
                                       "cuda", launch=launch)  # fmt: skip
             return lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq,
-                                        page_list, page_count, pages_out, ws, scale)  # fmt: skip
+                                        page_list, list_lengths, pages_out, ws, scale)  # fmt: skip
 
         variants = {f"maxnreg={cap}": timer(attend_with({"attend": {"maxnreg": cap}}))
                     for cap in args.pages_maxnreg}  # fmt: skip
@@ -499,8 +499,9 @@ def main() -> int:
     from benchmarks.moira_correctness import graph_time_us
 
     timer = lambda fn: graph_time_us(fn, reps=args.reps, iters=args.iters)
-    from benchmarks.paper_attend import PAPER_MIN_CHUNK_PAGES
     from vllm.v1.attention.backends import moira
+
+    from benchmarks.paper_attend import PAPER_MIN_CHUNK_PAGES
 
     fill_changes = {} if args.attend_fill_blocks is None else {
         "attend_fill_blocks": args.attend_fill_blocks}  # fmt: skip

@@ -78,6 +78,8 @@ def with_launch(**changes: dict) -> dict[str, dict]:
     for kernel, values in changes.items():
         merged[kernel] = {**merged.get(kernel, {}), **values}
     return merged
+
+
 SCALE = D**-0.5
 
 
@@ -172,8 +174,9 @@ def estimator_case(case, name):
 
 def workspace(case, config, launch=None):
     """A workspace for ``case`` under ``config``, with LAUNCH or ``launch``'s overrides."""
+    launch = LAUNCH if launch is None else launch
     return moira.MoiraWorkspace(case["query"].shape[0], HQ, HKV, D, case["max_pages"],
-                                config, "cuda", launch=LAUNCH if launch is None else launch)  # fmt: skip
+                                config, "cuda", launch=launch)  # fmt: skip
 
 
 def run_moira(case, config, ws=None):
@@ -243,7 +246,7 @@ def check_gamma_one(case, config=None):
     assert config.gamma == 1.0 and config.selector == "coverage"
     out, ws = run_moira(case, config)
     batch = out.shape[0]
-    counts = ws.page_count[:batch].cpu()
+    counts = ws.list_lengths[:batch].cpu()
     pages = torch.tensor([math.ceil(s / PAGE) for s in case["seq_lens"]])
     fa3 = fa3_decode(case)
     rows = [0, batch - 1]
@@ -296,13 +299,13 @@ def check_graph_replay(case, gamma=0.98, config=None):
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-        lists_replayed = ws.page_list.clone(), ws.page_count.clone()
+        lists_replayed = ws.page_list.clone(), ws.list_lengths.clone()
         out.fill_(float("nan"))
         step()
         torch.cuda.synchronize()
         results[name] = {
             "bitwise_equal": bool(torch.equal(replayed, out)),
-            "lists_equal": bool(torch.equal(lists_replayed[1], ws.page_count)
+            "lists_equal": bool(torch.equal(lists_replayed[1], ws.list_lengths)
                                 and torch.equal(lists_replayed[0], ws.page_list)),
         }  # fmt: skip
     case["seq"].copy_(original_seq)
@@ -337,7 +340,7 @@ def check_dependent_launches(case, config=None):
         else:
             two_steps(ws)
         torch.cuda.synchronize()
-        return [o.clone() for o in outs] + [ws.page_list.clone(), ws.page_count.clone()]
+        return [o.clone() for o in outs] + [ws.page_list.clone(), ws.list_lengths.clone()]
 
     plain = run(workspace(case, config, with_launch(step={"pdl": False})))
     ws = workspace(case, config, with_launch(step={"pdl": True}))
@@ -392,7 +395,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
-    page_list, page_count = ws.page_list[:batch].cpu(), ws.page_count[:batch].cpu()
+    page_list, list_lengths = ws.page_list[:batch].cpu(), ws.list_lengths[:batch].cpu()
     rows_checked = rows_equal = rows_near_tie = 0
     kept, total = 0, 0
     lists = []
@@ -402,13 +405,13 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         row_lists = []
         for h in range(HKV):
             expected = ref.select_pages(pibar[h], gamma=gamma)
-            got = page_list[row, h, : int(page_count[row, h])]
+            got = page_list[row, h, : int(list_lengths[row, h])]
             rows_checked += 1
             if got.tolist() == expected.tolist():
                 rows_equal += 1
             else:
                 rows_near_tie += int(is_near_tie(got, pibar[h], gamma))
-            kept += int(page_count[row, h])
+            kept += int(list_lengths[row, h])
             total += n
             row_lists.append(got)
         lists.append(row_lists)
@@ -533,12 +536,13 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     if refine == "wide":
         row["refined_fraction"] = refined_fraction(case, ws, estimator, k_scale)
     row["estimate_us"] = graph_time_us(
-        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale,
-                                    launch=ws.launch)
+        lambda: moira.estimate_page_logmass(
+            *args, ws.logmass, SCALE, estimator, k_scale=k_scale, launch=ws.launch
+        )
     )
     row["select_us"] = graph_time_us(
         lambda: moira.select_pages(
-            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths, ws.selector_params,
             batch, case["max_pages"], ws.read_stats, launch=ws.launch)
     )  # fmt: skip
     if sweep_launch:
@@ -548,7 +552,7 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
                                         launch=launch)  # fmt: skip
 
         def select(launch):
-            moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+            moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths,
                                ws.selector_params, batch, case["max_pages"], ws.read_stats,
                                launch=launch)  # fmt: skip
 
@@ -572,7 +576,8 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
     row["write_all_blocks_us"] = graph_time_us(
         lambda: moira.write_page_summaries(case["kv"], summaries, slots, k_scale, launch=LAUNCH),
-        reps=3, iters=5,
+        reps=3,
+        iters=5,
     )
     row["blocks"] = int(summaries.shape[0])
     return row
@@ -582,8 +587,9 @@ def refined_fraction(case, ws, estimator, k_scale):
     """Share of the middle pages whose log-mass refine="wide" replaced in one step:
     Estimate's log-masses against those after estimate_and_select (outside the timed graph)."""
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale,
-                                    launch=ws.launch)
+    moira.estimate_page_logmass(
+        *args, ws.logmass, SCALE, estimator, k_scale=k_scale, launch=ws.launch
+    )
     before = ws.logmass.clone()
     moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
     changed = middle = 0
@@ -669,9 +675,9 @@ ATTEND_SWEEP = [
     {"maxnreg": None},
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
 ]
-#: Refine launch candidates (moira.refine_launch), timed as Estimate + Select with refine="wide" (the
-#: estimators named "...+wide" under --sweep-estimate-select); each must give the
-#: default's lists.
+#: Refine launch candidates (moira.refine_launch), timed as Estimate + Select with
+#: refine="wide" (the estimators named "...+wide" under --sweep-estimate-select); each
+#: must give the default's lists.
 REFINE_SWEEP = [
     {"tile_pages": 64},
     {"tile_pages": 32},
@@ -705,7 +711,7 @@ def sweep_estimate_launch(case, estimate, ws):
             for row, n in enumerate(case["seq_lens"])
         )  # fmt: skip
         us = graph_time_us(lambda launch=launch: estimate(launch))
-        resolved = dataclasses.asdict(moira.estimate_launch(num_top, int8, launch["estimate"]))
+        resolved = moira.estimate_launch(num_top, int8, launch["estimate"])._asdict()
         rows.append({**resolved, "us": us, "matches_default": same})
         print("estimate", resolved, f"{us:.2f} us", same, flush=True)
     return rows
@@ -723,7 +729,7 @@ def sweep_estimate_and_select(case, ws):
                                     k_scale=k_scale_of(case), launch=launch)  # fmt: skip
 
     def select(launch):
-        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths,
                            ws.selector_params, batch, case["max_pages"], ws.read_stats,
                            launch=launch)  # fmt: skip
 
@@ -738,9 +744,9 @@ def _same_lists_after(run, ws, batch, reference) -> bool:
     rows ``[:batch]``, and their lists up to the longest, equal ``reference`` =
     (lists, counts); the counts are poisoned first, so a run that writes nothing
     does not pass."""
-    ws.page_count[:batch].fill_(-1)
+    ws.list_lengths[:batch].fill_(-1)
     run()
-    counts = ws.page_count[:batch]
+    counts = ws.list_lengths[:batch]
     if not torch.equal(counts, reference[1]):
         return False
     width = int(counts.max())
@@ -752,7 +758,7 @@ def sweep_select_launch(ws, select, batch):
     ``ws``; each must give the default launch's page lists and counts."""
     rows = []
     select(ws.launch)
-    reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
+    reference_lists = (ws.page_list[:batch].clone(), ws.list_lengths[:batch].clone())
     for lanes, warps in SELECT_SWEEP:
         launch = with_launch(select={"long_lanes": lanes, "long_num_warps": warps})
         same = _same_lists_after(lambda launch=launch: select(launch), ws, batch, reference_lists)
@@ -771,7 +777,7 @@ def sweep_refine_launch(case, config):
     batch = case["query"].shape[0]
     ws = workspace(case, config)
     moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
-    reference = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
+    reference = (ws.page_list[:batch].clone(), ws.list_lengths[:batch].clone())
     rows = []
     for change in REFINE_SWEEP:
         ws_c = workspace(case, config, with_launch(refine=change))
@@ -781,7 +787,7 @@ def sweep_refine_launch(case, config):
 
         same = _same_lists_after(run, ws_c, batch, reference)
         us = graph_time_us(run)
-        resolved = dataclasses.asdict(moira.refine_launch(ws_c.launch.get("refine")))
+        resolved = moira.refine_launch(ws_c.launch.get("refine"))._asdict()
         rows.append({**resolved, "us": us, "same_lists": same})
         print("refine", resolved, f"{us:.2f} us", same, flush=True)
     return rows
@@ -853,12 +859,12 @@ def sweep_attend_launch(case, out, ws, scales) -> list[dict]:
         ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes),
                          with_launch(attend=launch))  # fmt: skip
         ws_c.page_list.copy_(ws.page_list)
-        ws_c.page_count.copy_(ws.page_count)
+        ws_c.list_lengths.copy_(ws.list_lengths)
         candidate = torch.full_like(out, float("nan"))
         us = graph_time_us(
             lambda ws_c=ws_c, candidate=candidate: moira.attend(
                 case["query"], case["kv"], case["table"], case["seq"],
-                ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
+                ws_c.page_list, ws_c.list_lengths, candidate, ws_c, SCALE, **scales)
         )  # fmt: skip
         if reference is None:
             reference = candidate.clone()
@@ -887,7 +893,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     )  # fmt: skip
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
-            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths, ws.selector_params,
             batch, case["max_pages"], ws.read_stats, launch=ws.launch)
     )  # fmt: skip
     out = torch.empty_like(case["query"])
@@ -898,20 +904,20 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     ws_fixed = workspace(case, fixed)
     moira.estimate_and_select(*args, ws_fixed, SCALE, k_scale=k_scale)
     torch.cuda.synchronize()
-    counts = ws_fixed.page_count[:batch]
+    counts = ws_fixed.list_lengths[:batch]
     # K and V of the kept pages, in the cache's bytes (fp8: one per value).
     kept_bytes = int(counts.sum()) * PAGE * 2 * D * case["kv"].element_size()
     # The paper's Alg. 2 (benchmarks/paper_attend.py) on the same lists.
     paper = PaperAttend(batch, HQ, HKV, D, ws_fixed.attend_fill_blocks, "cuda")
     attend_us = graph_time_us(
         lambda: paper(case["query"], case["kv"], case["table"], case["seq"], ws_fixed.page_list,
-                      ws_fixed.page_count, out, SCALE)
+                      ws_fixed.list_lengths, out, SCALE)
     )  # fmt: skip
     rows["attend_merge_us"] = attend_us
     # The backend's Attend (even pages per block).
     attend_pages_us = graph_time_us(
         lambda: moira.attend(case["query"], case["kv"], case["table"], case["seq"],
-                             ws_fixed.page_list, ws_fixed.page_count, out, ws_fixed, SCALE,
+                             ws_fixed.page_list, ws_fixed.list_lengths, out, ws_fixed, SCALE,
                              **scales)
     )  # fmt: skip
     rows["attend_pages_merge_us"] = attend_pages_us
@@ -928,7 +934,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["moira_step_coverage_us"] = graph_time_us(
         lambda: moira.moira_decode(*args, out, ws, SCALE, **scales)
     )
-    counts_cov = ws.page_count[:batch]
+    counts_cov = ws.list_lengths[:batch]
     rows["coverage_kept_fraction"] = int(counts_cov.sum()) / sum(
         math.ceil(s / PAGE) * HKV for s in case["seq_lens"]
     )

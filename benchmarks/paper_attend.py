@@ -36,24 +36,24 @@ _MERGE_TILE_CHUNKS = 32
 
 
 @triton.jit
-def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
+def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, kept_total):
     # Pages per chunk of a list of n pages: at least ceil(n / J) so that J
     # blocks cover the list; otherwise C, or less when the step's lists could
     # not give fill_blocks blocks C pages each. The fill term is the same for
     # every list, so a long list gets more chunks, not longer ones.
-    fill = tl.cdiv(list_pages, fill_blocks)
+    fill = tl.cdiv(kept_total, fill_blocks)
     chunk = tl.maximum(tl.cdiv(n, num_splits), tl.minimum(min_chunk_pages, fill))
     return tl.maximum(chunk, 1)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_paper_attend(
-    query_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, page_list_ptr, page_count_ptr,
-    list_pages_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr,
+    query_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, page_list_ptr, list_lengths_ptr,
+    kept_total_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale, num_splits, min_chunk_pages, fill_blocks,
     stride_q_row: tl.int64, stride_q_head: tl.int64, stride_kv_block: tl.int64,
     stride_kv_head: tl.int64, stride_kv_token: tl.int64, stride_bt_row: tl.int64,
-    stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_pc_row: tl.int64,
+    stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_ll_row: tl.int64,
     stride_o_row: tl.int64, stride_o_head: tl.int64,
     GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, USE_GDC: tl.constexpr = False,
@@ -65,8 +65,8 @@ def kernel_paper_attend(
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
-    n = tl.load(page_count_ptr + row * stride_pc_row + head)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, tl.load(list_pages_ptr))
+    n = tl.load(list_lengths_ptr + row * stride_ll_row + head)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, tl.load(kept_total_ptr))
     num_chunks = tl.cdiv(n, chunk)
     if split >= num_chunks:
         return
@@ -109,8 +109,8 @@ def kernel_paper_attend(
 
 @triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
 def kernel_paper_merge(
-    page_count_ptr, list_pages_ptr, partial_out_ptr, partial_lse_ptr, output_ptr, num_splits,
-    min_chunk_pages, fill_blocks, stride_pc_row: tl.int64, stride_o_row: tl.int64,
+    list_lengths_ptr, kept_total_ptr, partial_out_ptr, partial_lse_ptr, output_ptr, num_splits,
+    min_chunk_pages, fill_blocks, stride_ll_row: tl.int64, stride_o_row: tl.int64,
     stride_o_head: tl.int64, GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
     TILE_CHUNKS: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
@@ -119,8 +119,8 @@ def kernel_paper_merge(
     _wait_for_previous_kernel(USE_GDC)
     row = tl.program_id(0)
     q_head = tl.program_id(1)
-    n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, tl.load(list_pages_ptr))
+    n = tl.load(list_lengths_ptr + row * stride_ll_row + q_head // GROUP_SIZE)
+    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, tl.load(kept_total_ptr))
     num_chunks = tl.cdiv(n, chunk)
     if num_chunks <= 1:
         return
@@ -162,7 +162,7 @@ class PaperAttend:
         f32 = torch.float32
         self.partial_out = torch.empty(max_parts, num_q_heads, head_size, dtype=f32, device=device)
         self.partial_lse = torch.empty(max_parts, num_q_heads, dtype=f32, device=device)
-        self.list_pages = torch.zeros(1, dtype=torch.int32, device=device)
+        self.kept_total = torch.zeros(1, dtype=torch.int32, device=device)
 
     def num_splits(self, num_rows: int) -> int:
         """J of Eq. 4: blocks per (row, KV head) for a batch of ``num_rows`` rows."""
@@ -176,30 +176,30 @@ class PaperAttend:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         page_list: torch.Tensor,
-        page_count: torch.Tensor,
+        list_lengths: torch.Tensor,
         output: torch.Tensor,
         scale: float,
     ) -> None:
         num_rows, num_q_heads, head_size = query.shape
         kv_fp8, k_scale, v_scale = _kv_scale_args(kv_cache, k_scale=None, v_scale=None)
         group_size = num_q_heads // self.num_kv_heads
-        torch.sum(page_count[:num_rows], dim=(0, 1), dtype=torch.int32, out=self.list_pages[0])
+        torch.sum(list_lengths[:num_rows], dim=(0, 1), dtype=torch.int32, out=self.kept_total[0])
         num_splits = self.num_splits(num_rows)
         splits = (num_splits, self.min_chunk_pages, self.fill_blocks)
         launch = attend_launch(kv_fp8)
         kernel_paper_attend[(num_rows, self.num_kv_heads, num_splits)](
-            query, kv_cache, block_table, seq_lens, page_list, page_count, self.list_pages,
+            query, kv_cache, block_table, seq_lens, page_list, list_lengths, self.kept_total,
             output, self.partial_out, self.partial_lse, k_scale, v_scale, scale, *splits,
             query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
-            page_count.stride(0), output.stride(0), output.stride(1),
+            list_lengths.stride(0), output.stride(0), output.stride(1),
             GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), HEAD_SIZE=head_size,
             PAGE_SIZE=MOIRA_PAGE_SIZE, KV_FP8=kv_fp8, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **_dependent_launch(None),
         )  # fmt: skip
         kernel_paper_merge[(num_rows, num_q_heads)](
-            page_count, self.list_pages, self.partial_out, self.partial_lse, output, *splits,
-            page_count.stride(0), output.stride(0), output.stride(1), GROUP_SIZE=group_size,
+            list_lengths, self.kept_total, self.partial_out, self.partial_lse, output, *splits,
+            list_lengths.stride(0), output.stride(0), output.stride(1), GROUP_SIZE=group_size,
             HEAD_SIZE=head_size, TILE_CHUNKS=_MERGE_TILE_CHUNKS, num_warps=4,
             **_dependent_launch(None),
         )  # fmt: skip

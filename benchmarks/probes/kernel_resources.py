@@ -37,7 +37,6 @@ copy with a variant applied, to compare against).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
 import inspect
 import json
@@ -337,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--estimate-launch",
         default=None,
-        help='JSON of Estimate launch overrides (moira.estimate_launch), e.g. \'{"key_stages": 2}\'',
+        help="JSON of Estimate launch overrides (moira.estimate_launch), e.g. "
+        "'{\"key_stages\": 2}'",
     )
     ap.add_argument(
         "--attend-launch",
@@ -393,12 +393,15 @@ def main(argv: list[str] | None = None) -> int:
             "summary_dtype": summary_dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
             "refine": a.refine or "off",
-            "estimate_launch": dataclasses.asdict(moira.estimate_launch(
-                moira.estimator_num_top(estimator), summary_dtype != "bfloat16",
-                launch.get("estimate"))),
-            "attend_launch": dataclasses.asdict(
-                moira.attend_launch(a.kv_cache_dtype == "fp8", launch.get("attend"))),
-            "refine_launch": dataclasses.asdict(moira.refine_launch(launch.get("refine"))),
+            "estimate_launch": moira.estimate_launch(
+                moira.estimator_num_top(estimator),
+                summary_dtype != "bfloat16",
+                launch.get("estimate"),
+            )._asdict(),
+            "attend_launch": moira.attend_launch(
+                a.kv_cache_dtype == "fp8", launch.get("attend")
+            )._asdict(),
+            "refine_launch": moira.refine_launch(launch.get("refine"))._asdict(),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }

@@ -4,7 +4,6 @@ from the reference's is classified."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _load import load
 
@@ -68,7 +67,7 @@ def test_sweeps_name_only_known_settings():
 
     moira = mc.moira
     fields = {f.name for f in dataclasses.fields(moira.MoiraConfig)}
-    assert set(mc.ATTEND_LAUNCH_KEYS) == {f.name for f in dataclasses.fields(moira.AttendLaunch)}
+    assert set(mc.ATTEND_LAUNCH_KEYS) == set(moira.AttendLaunch._fields)
     for changes in mc.ATTEND_SWEEP:
         for key in changes:
             assert key in mc.ATTEND_LAUNCH_KEYS or key in fields, key
@@ -102,13 +101,13 @@ def test_same_lists_after_compares_counts_then_lists_up_to_the_longest():
     lists = torch.tensor([[[0, 3, 5, 9]], [[0, 1, 7, 7]]])
     counts = torch.tensor([[3], [2]])
     ws = types.SimpleNamespace(
-        page_list=torch.zeros_like(lists), page_count=torch.zeros_like(counts)
+        page_list=torch.zeros_like(lists), list_lengths=torch.zeros_like(counts)
     )
 
     def writes(new_lists, new_counts):
         def run():
             ws.page_list.copy_(new_lists)
-            ws.page_count.copy_(new_counts)
+            ws.list_lengths.copy_(new_counts)
 
         return run
 

@@ -18,9 +18,9 @@ pa = load("paper_attend")
 BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2
 
 
-def _chunk(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
+def _chunk(n, num_splits, min_chunk_pages, fill_blocks, kept_total):
     """Alg. 2's chunk size with the fill rule, on the host."""
-    fill = -(-list_pages // fill_blocks)
+    fill = -(-kept_total // fill_blocks)
     return max(-(-n // num_splits), min(min_chunk_pages, fill), 1)
 
 
@@ -35,12 +35,12 @@ def test_paper_attend_chunks_each_list_and_equals_dense(pages, fill_blocks):
     kv, _, table, seq, query = make_decode_batch(seq_lens, 1, 2, 64, "token_major",
                                                  moira.MOIRA_DEFAULT_ESTIMATOR, seed=3)  # fmt: skip
     lists = [[torch.arange(n)] for n in pages]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     paper = pa.PaperAttend(2, 2, 1, 64, fill_blocks, "cpu", min_splits_per_row=3,
                            min_splits_total=8)  # fmt: skip
     paper.partial_lse.fill_(float("nan"))
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
-    paper(query, kv, table, seq, page_list, page_count, out, 0.125)
+    paper(query, kv, table, seq, page_list, list_lengths, out, 0.125)
     dense = ref.dense_decode(query, kv, table, seq, 0.125)
     torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
     num_splits = paper.num_splits(2)
@@ -62,15 +62,15 @@ def test_paper_attend_equals_the_backends_attend_within_rounding():
         [torch.tensor([3, 0]), torch.tensor([1])],
         [torch.arange(0, 17, 2), torch.tensor([16, 0, 5])],
     ]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     paper = pa.PaperAttend(3, 6, 2, 64, 6, "cpu", min_chunk_pages=4, min_splits_per_row=3,
                            min_splits_total=8)  # fmt: skip
     out_paper = torch.empty_like(query)
-    paper(query, kv, table, seq, page_list, page_count, out_paper, 0.125)
+    paper(query, kv, table, seq, page_list, list_lengths, out_paper, 0.125)
     ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1],
                               moira.MoiraConfig.paper(attend_fill_blocks=6), "cpu")  # fmt: skip
     out = torch.empty_like(query)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125)
     torch.testing.assert_close(out_paper.float(), out.float(), atol=BF16_ATOL, rtol=BF16_RTOL)
 
 

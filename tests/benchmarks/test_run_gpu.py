@@ -47,9 +47,7 @@ def test_help_names_the_kv_cache_option_and_the_steps():
     assert "refine-sweep[:SHAPES]" in result.stdout
 
 
-@pytest.mark.parametrize(
-    "step", ["accuracy-suite", "tpot-real:8192x4", "serving-real:1"]
-)
+@pytest.mark.parametrize("step", ["accuracy-suite", "tpot-real:8192x4", "serving-real:1"])
 def test_real_model_steps_need_the_model_and_text_before_installing(tmp_path, step):
     result = _run(
         "--acc-prompts", str(tmp_path / "missing.json.gz"),

@@ -197,7 +197,7 @@ def test_fp8_gamma_one_equals_dense_on_the_dequantized_cache(fill_blocks, layout
     dense = ref.dense_decode(query, deq, table, seq, scale)
     for row, seq_len in enumerate(seq_lens[:-1]):
         n = math.ceil(seq_len / PAGE)
-        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.list_lengths[row].tolist() == [n, n]
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL, rtol=BF16_RTOL)
     assert torch.all(out[-1] == 7.0), "padded row was written"
 
@@ -226,7 +226,7 @@ def test_fp8_sparse_decode_matches_reference(fill_blocks, layout, group, pattern
     dropped = 0
     for row in range(len(seq_lens)):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
             dropped += math.ceil(seq_lens[row] / PAGE) - count
     assert dropped > 0, "gamma < 1 kept every page: the case tests nothing sparse"

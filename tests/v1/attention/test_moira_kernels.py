@@ -107,7 +107,9 @@ def test_writer_window_must_be_a_power_of_two():
     with pytest.raises(ValueError, match=r"writer launch window_tokens must be a power of two "
                        r"in \[1, 1024\], got 48"):  # fmt: skip
         moira.write_page_summaries(
-            kv, torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16), torch.tensor([PAGE + 63]),
+            kv,
+            torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16),
+            torch.tensor([PAGE + 63]),
             launch={"writer": {"window_tokens": 48}},
         )
 
@@ -229,7 +231,7 @@ def _run_select(logmass, seq_lens, config, launch=None):
     ws.logmass.copy_(logmass)
     ws.page_list.fill_(-7)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
-    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.list_lengths,
                        ws.selector_params, num_rows, max_pages, ws.read_stats,
                        launch=ws.launch)  # fmt: skip
     return ws
@@ -261,7 +263,7 @@ def test_select_lists_equal_reference_at_098(group, long_lanes):
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(num_kv_heads):
             expected = ref.select_pages(pibar[h], gamma=0.98)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist(), (row, h)
             checked += 1
     assert checked >= 64
@@ -277,7 +279,7 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             pages = ws.page_list[row, h, :count]
             assert pages[0] == 0 and pages[-1] == n - 1
             assert torch.all(pages[1:] > pages[:-1]), "list not in page order"
@@ -289,7 +291,7 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
                 assert kept - middle.min() < gamma + 1e-5
     # Select accumulates the read fraction's numerator and denominator.
     total_pages = sum(math.ceil(s / PAGE) for s in seq_lens) * 2
-    assert ws.read_stats.tolist() == [int(ws.page_count.sum()), total_pages]
+    assert ws.read_stats.tolist() == [int(ws.list_lengths.sum()), total_pages]
 
 
 def test_select_gamma_one_keeps_every_page():
@@ -300,7 +302,7 @@ def test_select_gamma_one_keeps_every_page():
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         for h in range(2):
-            assert int(ws.page_count[row, h]) == n
+            assert int(ws.list_lengths[row, h]) == n
             assert ws.page_list[row, h, :n].tolist() == list(range(n))
 
 
@@ -316,7 +318,7 @@ def test_select_fixed_count(fixed_pages):
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_pages=fixed_pages)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
             assert count == min(n, max(fixed_pages, min(n, 2)))
 
@@ -334,7 +336,7 @@ def test_select_fixed_fraction(fraction):
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_fraction=fraction)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
             assert count == max(min(n, 2), math.ceil(fraction * n))
 
@@ -353,7 +355,7 @@ def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages, long_lanes):
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_pages=6)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert count == 6
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
     assert ws.page_list[0, 0, :6].tolist() == [0] + list(range(max_pages - 5, max_pages))
@@ -374,12 +376,12 @@ def test_set_selector_switches_in_place():
         moira.MoiraConfig.paper(selector="fixed", fixed_pages=3),
     ):
         ws.set_selector(config)
-        moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+        moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.list_lengths,
                            ws.selector_params, len(seq_lens), max_pages, ws.read_stats)  # fmt: skip
         for row, seq_len in enumerate(seq_lens):
             n = math.ceil(seq_len / PAGE)
             expected = n if config.selector == "coverage" else 3
-            assert ws.page_count[row].tolist() == [expected, expected]
+            assert ws.list_lengths[row].tolist() == [expected, expected]
     assert ws.selector_params.data_ptr() == params
     with pytest.raises(ValueError, match="cannot change"):
         ws.set_selector(moira.MoiraConfig.paper(attend_fill_blocks=5))
@@ -395,7 +397,7 @@ def test_select_rows_longer_than_4096_pages():
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         expected = ref.select_pages(pibar[0], gamma=0.98)
-        count = int(ws.page_count[row, 0])
+        count = int(ws.list_lengths[row, 0])
         assert ws.page_list[row, 0, :count].tolist() == expected.tolist()
 
 
@@ -425,7 +427,7 @@ def test_gamma_one_equals_dense(layout, group, head_size):
     out, dense, ws = _gamma_one_step(config, seq_lens, group, head_size, layout)
     for row, seq_len in enumerate(seq_lens[:-1]):
         n = math.ceil(seq_len / PAGE)
-        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.list_lengths[row].tolist() == [n, n]
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
                                rtol=BF16_RTOL)  # fmt: skip
     assert torch.all(out[-1] == 7.0), "padded row was written"
@@ -463,7 +465,7 @@ def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimato
                                         estimator=estimator)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
     torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
 
@@ -475,9 +477,9 @@ def test_attend_accepts_any_page_list():
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "token_major")
     ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
     lists = [[torch.tensor([0, 2, 4, 6, 8, 9])] * 2, [torch.tensor([1])] * 2]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     out = torch.empty_like(query)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125)
     _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens)
 
 
@@ -536,10 +538,10 @@ def test_attend_uneven_lists_match_reference(kv_dtype):
         [torch.tensor([1]), torch.tensor([2, 0, 1])],
         [torch.tensor([5, 0, 3]), torch.tensor([0, 1, 2, 3, 4, 5])],
     ]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125, **scales)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125, **scales)
     kv_values = ref.dequantize_kv_cache(kv, **scales) if scales else kv
     _assert_attend_equals_reference(out, query, kv_values, table, lists, seq_lens)
 
@@ -555,7 +557,7 @@ def test_fill_blocks_default_is_the_blocks_the_device_holds():
 
 def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
     """Select leaves the sum of the step's list lengths in
-    workspace.list_pages (Estimate zeroes it first, so a second step does not
+    workspace.kept_total (Estimate zeroes it first, so a second step does not
     accumulate); attend() without it sums the counts itself and gives the
     same output bit for bit."""
     config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_FILL)
@@ -565,11 +567,11 @@ def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     for _ in range(2):
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-        assert int(ws.list_pages[0]) == int(ws.page_count[:4].sum())
-    ws.list_pages.fill_(-5)
+        assert int(ws.kept_total[0]) == int(ws.list_lengths[:4].sum())
+    ws.kept_total.fill_(-5)
     again = torch.full_like(out, float("nan"))
-    moira.attend(query, kv, table, seq, ws.page_list, ws.page_count, again, ws, 0.125)
-    assert int(ws.list_pages[0]) == int(ws.page_count[:4].sum())
+    moira.attend(query, kv, table, seq, ws.page_list, ws.list_lengths, again, ws, 0.125)
+    assert int(ws.kept_total[0]) == int(ws.list_lengths[:4].sum())
     assert torch.equal(again, out)
 
 
@@ -589,13 +591,13 @@ def test_dense_batch_tokens_reads_short_rows_whole():
                                         estimator=config.estimator)  # fmt: skip
     for row in (0, 1):
         n = math.ceil(seq_lens[row] / PAGE)
-        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.list_lengths[row].tolist() == [n, n]
         assert ws.page_list[row, :, :n].tolist() == [list(range(n))] * 2
         assert ws.logmass[row].isnan().all(), "Estimate ran on a dense row"
         torch.testing.assert_close(out[row].float(), dense[row], atol=BF16_ATOL,
                                    rtol=BF16_RTOL)  # fmt: skip
     for h in range(2):
-        count = int(ws.page_count[2, h])
+        count = int(ws.list_lengths[2, h])
         assert ws.page_list[2, h, :count].tolist() == lists[2][h].tolist()
         assert count < 20, "the long row should be sparse at gamma=0.5"
     torch.testing.assert_close(out[2].float(), expected[2], atol=BF16_ATOL, rtol=BF16_RTOL)
@@ -605,17 +607,17 @@ def test_dense_batch_tokens_reads_short_rows_whole():
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
     for row in range(3):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
 # --------------------------------------------------------------------------
 # Attend's schedule: N_F blocks share the step's pages evenly
 # --------------------------------------------------------------------------
-def _page_schedule_parts(page_count, num_blocks):
+def _page_schedule_parts(list_lengths, num_blocks):
     """Parts (one per block and list it touches) of every list, computed on the
     host from the lengths."""
-    counts = [int(c) for c in page_count.flatten()]
+    counts = [int(c) for c in list_lengths.flatten()]
     total = sum(counts)
     chunk = max(-(-total // num_blocks), 1)
     parts, first = [], 0
@@ -679,9 +681,9 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
         [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.long)],
         [torch.arange(14), torch.tensor([0, 5, 13])],
     ]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     out = torch.full(query.shape, 5.0, dtype=torch.bfloat16)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125)
     for row, seq_len in enumerate(seq_lens):
         keys, values = ref.row_keys_values(kv, table[row], seq_len)
         for h in range(2):
@@ -693,7 +695,7 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
             expected, _ = ref.attend_pages(query[row], keys, values, same_list, seq_len, 0.125)
             torch.testing.assert_close(out[row, heads].float(), expected[heads],
                                        atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
-    parts = _page_schedule_parts(page_count, fill_blocks)
+    parts = _page_schedule_parts(list_lengths, fill_blocks)
     written = ws.partial_lse.view(-1, 2)[:, 0].isfinite()  # slot (block + list) x G heads
     assert int(written.sum()) == sum(p for p in parts if p > 1)
 
@@ -786,10 +788,10 @@ def test_tensor_parallel_shards_equal_the_unsharded_step(layout):
         rows = len(seq_lens)
         torch.testing.assert_close(out.float(), out_whole[:, q_heads].float(),
                                    atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
-        assert torch.equal(ws.page_count[:rows], whole.page_count[:rows, kv_heads])
+        assert torch.equal(ws.list_lengths[:rows], whole.list_lengths[:rows, kv_heads])
         for row in range(rows):
             for h in range(heads_per_rank):
-                n = int(ws.page_count[row, h])
+                n = int(ws.list_lengths[row, h])
                 assert torch.equal(ws.page_list[row, h, :n],
                                    whole.page_list[row, kv_heads.start + h, :n])  # fmt: skip
         kept += int(ws.read_stats[0])

@@ -304,7 +304,7 @@ def test_pipelined_refine_equals_the_unpipelined_loop_bitwise(wide_case, launch)
         moira.estimate_and_select(wide_case["query"], wide_case["kv"], wide_case["summaries"],
                                   wide_case["table"], wide_case["seq"], ws, mc.SCALE)  # fmt: skip
         torch.cuda.synchronize()
-        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
+        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.list_lengths.clone()))
     (lm0, list0, count0), (lm1, list1, count1) = results
     assert torch.equal(count0, count1)
     for row, n in enumerate(wide_case["seq_lens"]):

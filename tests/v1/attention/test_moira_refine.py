@@ -41,7 +41,7 @@ def _refined_mask(query, kv, summaries, table, seq, gamma, estimator):
 def _assert_lists(ws, lists):
     for row in range(len(SEQ_LENS)):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
@@ -142,7 +142,7 @@ def test_refine_launches_give_the_same_log_masses(launch):
         ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu",
                                   launch={"refine": changes})  # fmt: skip
         moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
-        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
+        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.list_lengths.clone()))
     masks = _refined_mask(query, kv, summaries, table, seq, 0.98, moira.MOIRA_DEFAULT_ESTIMATOR)
     assert sum(int(m.sum()) for m in masks if m is not None) > 1  # several pages refined
     assert bool(masks[0][..., 16:].any())  # and some beyond the first 16-page tile
@@ -192,10 +192,10 @@ def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change, monkeypatch
     # and must refine nothing. A workspace built for a fixed count launches none.
     wide = moira.MoiraConfig.paper(refine="wide", **SMALL_FILL)
     ws_on, out_on = _run(dataclasses.replace(wide, **change), batch, built_with=wide)
-    assert torch.equal(ws_on.page_count, ws_off.page_count)
+    assert torch.equal(ws_on.list_lengths, ws_off.list_lengths)
     for row in range(len(SEQ_LENS)):
         for h in range(2):
-            count = int(ws_on.page_count[row, h])
+            count = int(ws_on.list_lengths[row, h])
             assert torch.equal(ws_on.page_list[row, h, :count], ws_off.page_list[row, h, :count])
     assert torch.equal(out_on, out_off)
     # The first Select marks every list as having nothing to refine.
@@ -212,7 +212,7 @@ def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change, monkeypatch
         ws_fixed, out_fixed = _run(dataclasses.replace(wide, **change), batch)
         assert calls == ["select_pages"]
         assert ws_fixed.select_stats is None and torch.equal(out_fixed, out_off)
-        assert torch.equal(ws_fixed.page_count, ws_off.page_count)
+        assert torch.equal(ws_fixed.list_lengths, ws_off.list_lengths)
 
 
 def test_refine_counts_each_list_once():
@@ -221,8 +221,8 @@ def test_refine_counts_each_list_once():
     ws, _ = _run(moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_FILL), batch)
     kept, total = ws.read_counts()
     assert total == 2 * sum(ref.num_pages(s) for s in SEQ_LENS)
-    assert kept == int(ws.page_count[: len(SEQ_LENS)].sum())
-    assert int(ws.list_pages) == kept
+    assert kept == int(ws.list_lengths[: len(SEQ_LENS)].sum())
+    assert int(ws.kept_total) == kept
 
 
 def test_refine_config_and_constants():
@@ -274,7 +274,7 @@ def test_refine_leaves_dense_rows_whole():
     for row, seq_len in enumerate(SEQ_LENS):
         n = ref.num_pages(seq_len)
         for h in range(2):
-            assert ws.page_list[row, h, : int(ws.page_count[row, h])].tolist() == list(range(n))
+            assert ws.page_list[row, h, : int(ws.list_lengths[row, h])].tolist() == list(range(n))
     assert bool((ws.select_stats[: len(SEQ_LENS), :, 0] == float("inf")).all())
     _, out_off = _run(moira.MoiraConfig(refine="off"), batch)
     assert torch.equal(out, out_off)

@@ -214,7 +214,7 @@ def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, refine, 
                                         estimator=estimator, refine=refine)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
-            n = int(ws.page_count[row, h])
+            n = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :n].tolist() == lists[row][h].tolist(), (row, h)
     torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
 

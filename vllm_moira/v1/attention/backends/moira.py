@@ -14,8 +14,7 @@ the step replays in vLLM's full CUDA graph with no host planning:
 4. Merge: log-sum-exp combine of lists split over several blocks.
 
 Summaries are written when a page fills: by ``write_page_summaries`` for
-prefill tokens, by Estimate for decode rows. Prefill runs on FA3. Design and
-measurements: docs/design.md; kernel API: docs/kernel-api.md.
+prefill tokens, by Estimate for decode rows. Prefill runs on FA3.
 
 Layout: constants and configuration; the kernels stage by stage, each
 launcher after its kernel; the decode step and its workspace; the vLLM
@@ -30,7 +29,7 @@ import os
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
@@ -91,14 +90,14 @@ MOIRA_SELECTORS = ("coverage", "fixed")
 #: Estimate and Select skipping the rows. "fa3": vLLM's FA3 decode in FULL
 #: CUDA graphs of its own (vLLM patch 0006), plus the summary writer.
 MOIRA_DENSE_STEPS = ("moira", "fa3")
-#: Estimate's optional second stage (docs/estimator.md, "Spread-gated refinement"):
-#: "off", or "wide": the exact log-mass of each page whose estimated share is at most
-#: REFINE_BELOW_NATS under Select's threshold (or above it) and whose spread term is
-#: large (REFINE_WIDE_FACTOR), then Select again (coverage rule only).
+#: Estimate's optional second stage: "off", or "wide": the exact log-mass of
+#: each page whose estimated share is at most REFINE_BELOW_NATS under Select's
+#: threshold (or above it) and whose spread term is large (REFINE_WIDE_FACTOR),
+#: then Select again (coverage rule only).
 MOIRA_REFINE_MODES = ("off", "wide")
 #: "wide" (the accuracy mode) reads the exact keys of the pages near the threshold and
 #: keeps needle pages the first stage under-states; it is off by default because those
-#: reads cost more decode time on real text than the pages it saves (docs/estimator.md).
+#: reads cost more decode time on real text than the pages it saves.
 MOIRA_DEFAULT_REFINE = "off"
 #: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
 REFINE_BELOW_NATS = 3.0
@@ -111,7 +110,7 @@ REFINE_WIDE_FACTOR = 0.75
 MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_top8": 8}
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
-#: int8 summaries: half the memory of bf16 at the same accuracy (docs/estimator.md).
+#: int8 summaries: half the memory of bf16 at the same accuracy.
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
@@ -124,7 +123,7 @@ _ATTEND_MAX_LISTS_TILE = 1024
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
 _MIN_DOT_ROWS = 16
-# SMs assumed off the GPU (CPU tests): an H100 / H200 SXM.
+# SMs assumed off the GPU (CPU tests): a Hopper SXM part's.
 _DEFAULT_SM_COUNT = 132
 
 #: The paper's decode step (§3.3) less its Attend schedule: no dense rows,
@@ -156,50 +155,35 @@ ATTEND_BLOCKS_PER_SM = 3
 _ESTIMATE_NUM_WARPS = 2
 
 
-@dataclass(frozen=True)
-class WriterLaunch:
-    #: Tokens of the slot mapping per program: a 64-token window of one
-    #: request holds one page end, so about one program per page to summarize.
-    window_tokens: int
-    num_warps: int
+# The launches, as the functions below resolve them.
+class WriterLaunch(NamedTuple):
+    window_tokens: int  # slot-mapping tokens per program (about one page end each)
+    num_warps: int  # Estimate's
 
 
-@dataclass(frozen=True)
-class EstimateLaunch:
-    #: Pages per summary program.
-    tile_pages: int
-    num_warps: int
-    #: Software-pipeline depth of the stored-key loop.
-    key_stages: int
-    #: Register cap per thread (None: ptxas's choice).
-    maxnreg: int | None
+class EstimateLaunch(NamedTuple):
+    tile_pages: int  # pages per summary program
+    num_warps: int  # per program
+    key_stages: int  # software-pipeline depth of the stored-key loop
+    maxnreg: int | None  # register cap per thread (None: ptxas's choice)
 
 
-@dataclass(frozen=True)
-class SelectLaunch:
-    #: K_B: thresholds tested per bisection pass in one 2D reduction (1: one
-    #: reduction per threshold, K_B by the row's length).
-    lanes: int
-    num_warps: int
+class SelectLaunch(NamedTuple):
+    lanes: int  # K_B: thresholds per bisection pass in one 2D reduction (1: one each)
+    num_warps: int  # per (row, KV head) program
 
 
-@dataclass(frozen=True)
-class RefineLaunch:
-    #: Pages per refine tile (the candidate test is one [G, pages] tile).
-    tile_pages: int
-    #: Depth of the software-pipelined loop over a tile's refined pages.
-    pipeline_stages: int
-    num_warps: int
-    #: About how many refine programs a step launches (refine_programs_per_list).
-    step_programs: int
+class RefineLaunch(NamedTuple):
+    tile_pages: int  # pages per refine tile (its candidate test is one [G, pages] tile)
+    pipeline_stages: int  # depth of the loop over a tile's refined pages
+    num_warps: int  # per program
+    step_programs: int  # about how many programs a step launches
 
 
-@dataclass(frozen=True)
-class AttendLaunch:
-    num_warps: int
-    num_stages: int
-    #: Register cap per thread (None: ptxas's choice).
-    maxnreg: int | None
+class AttendLaunch(NamedTuple):
+    num_warps: int  # per block
+    num_stages: int  # software-pipeline depth of the K/V page loop
+    maxnreg: int | None  # register cap per thread (None: ptxas's choice)
 
 
 def _overridden(kernel: str, defaults: dict[str, Any], overrides: Mapping[str, Any] | None):
@@ -284,8 +268,7 @@ def refine_launch(overrides: Mapping[str, Any] | None = None) -> RefineLaunch:
     step_programs = values["step_programs"]
     if not isinstance(step_programs, int) or step_programs < 1:
         raise ValueError(
-            f"Moira: refine launch step_programs must be a positive integer, "
-            f"got {step_programs!r}"
+            f"Moira: refine launch step_programs must be a positive integer, got {step_programs!r}"
         )
     return RefineLaunch(**values)
 
@@ -479,7 +462,7 @@ def summary_slots(estimator: str) -> int:
 
 
 # MOIRA_* environment variable -> (MoiraConfig field, type): the options a user
-# sets (docs/usage.md). Environment variables reach every process vLLM starts
+# sets. Environment variables reach every process vLLM starts
 # (API server, engine core, workers) without changes to vLLM's config classes,
 # and vLLM's check of VLLM_* names leaves them alone.
 _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
@@ -708,9 +691,8 @@ def _store_summary_slot(
     scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
     slot,
     vec,  # [HEAD_SIZE] fp32
-    HEAD_SIZE: tl.constexpr,
-    INT8: tl.constexpr,
-):
+    HEAD_SIZE: tl.constexpr, INT8: tl.constexpr,
+):  # fmt: skip
     offs_d = tl.arange(0, HEAD_SIZE)
     if INT8:
         q, scale = _quantize_slot(vec, 127.0)
@@ -728,7 +710,7 @@ def _store_int4_key_pair(
     even_key,  # [HEAD_SIZE] fp32: stored key 2 pair
     odd_key,  # [HEAD_SIZE] fp32: stored key 2 pair + 1
     HEAD_SIZE: tl.constexpr,
-):
+):  # fmt: skip
     # Each key symmetric in 4 bits with its own scale (absmax / 7, as
     # ref.quantize_summaries_int4), the pair in one byte per channel: the odd
     # key in the high nibble (two's complement), the even key plus 8 in the
@@ -746,18 +728,15 @@ def _store_int4_key_pair(
 
 @triton.jit
 def _summarize_page(
-    page_keys,  # this (block, KV head)'s keys: [PAGE_SIZE, HEAD_SIZE] at stride_kv_token
-    out,  # its summary: [2 + NUM_TOP, HEAD_SIZE] bf16 or int8
-    scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
-    stride_kv_token,
+    block,  # the page's block id
+    head,  # its KV head
+    kv_cache_ptr, summaries_ptr, scales_ptr,  # as kernel_moira_write_summaries'
+    stride_kv_block, stride_kv_head, stride_kv_token, stride_sum_block, stride_sum_head,
+    stride_scale_block, stride_scale_head,
     k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    NUM_TOP: tl.constexpr,
-    INT8: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    INT4: tl.constexpr = False,
-):
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_TOP: tl.constexpr,
+    INT8: tl.constexpr, KV_FP8: tl.constexpr, INT4: tl.constexpr,
+):  # fmt: skip
     # The summary of one full page, from its 64 keys in the cache. Shared by
     # the summary writer (prefill) and Estimate (a decode row's page that its
     # new token filled), so both store the same bits.
@@ -770,6 +749,9 @@ def _summarize_page(
     # INT4 (with INT8): the stored keys in 4 bits instead, two per row.
     # KV_FP8: the summary of the dequantized keys (e4m3 value x k_scale, in
     # fp32), so that Estimate meets them as it meets bf16 keys.
+    page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
+    out = summaries_ptr + block * stride_sum_block + head * stride_sum_head
+    scales = scales_ptr + block * stride_scale_block + head * stride_scale_head
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     # One flat load of the page's keys, reshaped, so the register layout (and
@@ -831,22 +813,13 @@ def kernel_moira_write_summaries(
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
     k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
     num_tokens,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    WINDOW_TOKENS: tl.constexpr,
-    NUM_TOP: tl.constexpr = 0,
-    INT8: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    INT4: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-):
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,
+    stride_sum_block: tl.int64, stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64, stride_scale_head: tl.int64,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW_TOKENS: tl.constexpr,
+    NUM_TOP: tl.constexpr = 0, INT8: tl.constexpr = False, KV_FP8: tl.constexpr = False,
+    INT4: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # One program per (window of WINDOW_TOKENS tokens, KV head). It summarizes
     # the pages that its tokens fill (a token at page offset PAGE_SIZE - 1),
     # one after another in token order: one page per window of 64 tokens of
@@ -869,22 +842,18 @@ def kernel_moira_write_summaries(
         first = tl.min(tl.where(fills, offs, WINDOW_TOKENS), axis=0)
         slot = tl.sum(tl.where(offs == first, slots, 0), axis=0)
         fills = fills & (offs != first)
-        block = slot // PAGE_SIZE
         _summarize_page(
-            kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
-            summaries_ptr + block * stride_sum_block + head * stride_sum_head,
-            scales_ptr + block * stride_scale_block + head * stride_scale_head,
-            stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4,
+            slot // PAGE_SIZE, head, kv_cache_ptr, summaries_ptr, scales_ptr, stride_kv_block,
+            stride_kv_head, stride_kv_token, stride_sum_block, stride_sum_head,
+            stride_scale_block, stride_scale_head, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+            KV_FP8, INT4,
         )  # fmt: skip
 
 
 def write_page_summaries(
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    launch: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+    kv_cache: torch.Tensor, summaries: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, launch: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:  # fmt: skip
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
     Call after the KV scatter of the same tokens. ``summaries`` is
@@ -932,16 +901,10 @@ def write_page_summaries(
         summaries.stride(1),
         scales.stride(0),
         scales.stride(1),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        WINDOW_TOKENS=writer.window_tokens,
-        NUM_TOP=num_top,
-        INT8=int8,
-        INT4=int4,
-        KV_FP8=kv_fp8,
-        num_warps=writer.num_warps,
+        HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE, WINDOW_TOKENS=writer.window_tokens,
+        NUM_TOP=num_top, INT8=int8, INT4=int4, KV_FP8=kv_fp8, num_warps=writer.num_warps,
         **_dependent_launch(launch),
-    )
+    )  # fmt: skip
 
 
 def rebuild_page_summaries(
@@ -1046,32 +1009,18 @@ def _fp16_query(q):
 @triton.jit
 def _exact_page_logmass(
     q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
-    scale,
-    kv_cache_ptr,
-    block,
-    head,
-    num_valid,
-    stride_kv_block,
-    stride_kv_head,
+    scale, kv_cache_ptr, block, head, num_valid, stride_kv_block, stride_kv_head,
     stride_kv_token,
     k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
     # log sum_k exp(s q.k) over the page's valid tokens, for every query head.
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     mask_t = offs_t < num_valid
-    keys = tl.load(
-        kv_cache_ptr
-        + block * stride_kv_block
-        + head * stride_kv_head
-        + offs_t[:, None] * stride_kv_token
-        + offs_d[None, :],
-        mask=mask_t[:, None],
-        other=0.0,
-    )
+    page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
+    keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :],
+                   mask=mask_t[:, None], other=0.0)  # fmt: skip
     if KV_FP8:
         # Dequantized keys: the e4m3 values meet q in fp16 (_fp16_query), in
         # which both are exact, and k_scale joins the softmax scale.
@@ -1177,15 +1126,9 @@ def _add_stored_key(
     key,  # [TILE_PAGES, HEAD_SIZE] stored key j of each page, as stored (bf16 or int8)
     page_scales,  # [TILE_PAGES] pointers to the pages' slot scales (if INT8)
     j,  # stored key index (slot 2 + j)
-    q,
-    q_digits,
-    q_step,
-    scale,
-    mask_p,
-    TILE_PAGES: tl.constexpr,
-    EST_ROWS: tl.constexpr,
+    q, q_digits, q_step, scale, mask_p, TILE_PAGES: tl.constexpr, EST_ROWS: tl.constexpr,
     INT8: tl.constexpr,
-):
+):  # fmt: skip
     # One stored key's exact logits, folded into the online logaddexp.
     if INT8:
         logit = _int8_digit_dot(key, q_digits, q_step, TILE_PAGES, EST_ROWS)
@@ -1215,26 +1158,15 @@ def _summary_tile_logmass(
     q_step,  # [EST_ROWS, 4] fp32: their steps
     sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8)
     sq_step,  # [EST_ROWS, 4] fp32: their steps
-    scale,
-    summaries_ptr,
-    scales_ptr,
+    scale, summaries_ptr, scales_ptr,
     bt_row,  # this row's block table
     pages,  # [TILE_PAGES] logical pages of the tile
     mask_p,  # [TILE_PAGES] pages the tile estimates
-    head,
-    stride_sum_block,
-    stride_sum_head,
-    stride_scale_block,
-    stride_scale_head,
-    EST_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TOP: tl.constexpr,
-    INT8: tl.constexpr,
-    KEY_STAGES: tl.constexpr,
+    head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
+    EST_ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_PAGES: tl.constexpr, NUM_TOP: tl.constexpr, INT8: tl.constexpr, KEY_STAGES: tl.constexpr,
     INT4: tl.constexpr = False,
-):
+):  # fmt: skip
     # The summary estimate of one tile of pages, all G query heads at once on
     # the tensor cores: [TILE_PAGES, EST_ROWS] fp32. Products of bf16 values
     # are exact in the fp32 accumulator, so the mean term is fp32-exact up to
@@ -1316,6 +1248,18 @@ def _summary_tile_logmass(
 
 
 @triton.jit
+def _query_heads(q_heads, stride_q_head, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                 HEAD_SIZE: tl.constexpr):  # fmt: skip
+    # The G query heads of a KV head as a [ROWS, HEAD_SIZE] tile (padded rows
+    # 0), with the rows' offsets and mask.
+    offs = tl.arange(0, ROWS)
+    mask = offs < GROUP_SIZE
+    q = tl.load(q_heads + offs[:, None] * stride_q_head + tl.arange(0, HEAD_SIZE)[None, :],
+                mask=mask[:, None], other=0.0)  # fmt: skip
+    return q, offs, mask
+
+
+@triton.jit
 def kernel_moira_estimate(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
@@ -1325,38 +1269,22 @@ def kernel_moira_estimate(
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
     selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (if SKIP_DENSE_ROWS)
-    list_pages_ptr,  # [1] int32: the step's pages in all lists (zeroed, if RESET_LIST_PAGES)
+    kept_total_ptr,  # [1] int32: the step's pages in all lists (zeroed, if RESET_KEPT_TOTAL)
     k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
     scale,
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
+    stride_q_row: tl.int64, stride_q_head: tl.int64,
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,
+    stride_sum_block: tl.int64, stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64, stride_scale_head: tl.int64,
     stride_bt_row: tl.int64,
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    EST_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TOP: tl.constexpr = 0,
-    SKIP_DENSE_ROWS: tl.constexpr = False,
-    INT8: tl.constexpr = False,
-    KEY_STAGES: tl.constexpr = 1,
-    RESET_LIST_PAGES: tl.constexpr = False,
-    WRITE_FILLED_PAGE: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    INT4: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-):
+    stride_lm_row: tl.int64, stride_lm_head: tl.int64, stride_lm_group: tl.int64,
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, EST_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    NUM_TOP: tl.constexpr = 0, SKIP_DENSE_ROWS: tl.constexpr = False,
+    INT8: tl.constexpr = False, KEY_STAGES: tl.constexpr = 1,
+    RESET_KEPT_TOTAL: tl.constexpr = False, WRITE_FILLED_PAGE: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, INT4: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
     # exact pages (a 64-key read and a softmax) do not lengthen the critical
@@ -1375,9 +1303,9 @@ def kernel_moira_estimate(
     # Select (the next kernel) adds every list's length to this total, which
     # sizes Attend's chunks; one program zeroes it for the step. (The outer
     # test is a constexpr: without it the store is not compiled at all.)
-    if RESET_LIST_PAGES:  # noqa: SIM102
+    if RESET_KEPT_TOTAL:  # noqa: SIM102
         if (row == 0) & (head == 0) & (z == 0):
-            tl.store(list_pages_ptr, 0)
+            tl.store(kept_total_ptr, 0)
     tile = z - 2
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
@@ -1393,12 +1321,10 @@ def kernel_moira_estimate(
         of_current_page = (z == 1) | ((z == 0) & (last == 0))
         if of_current_page & (seq_len > 0) & (seq_len % PAGE_SIZE == 0):
             block = tl.load(block_table_ptr + row * stride_bt_row + last).to(tl.int64)
-            _summarize_page(
-                kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
-                summaries_ptr + block * stride_sum_block + head * stride_sum_head,
-                scales_ptr + block * stride_scale_block + head * stride_scale_head,
-                stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4,
-            )  # fmt: skip
+            _summarize_page(block, head, kv_cache_ptr, summaries_ptr, scales_ptr,
+                            stride_kv_block, stride_kv_head, stride_kv_token, stride_sum_block,
+                            stride_sum_head, stride_scale_block, stride_scale_head, k_scale,
+                            HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4)  # fmt: skip
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
     idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
@@ -1408,19 +1334,13 @@ def kernel_moira_estimate(
         idle = idle | _is_dense_row(num_pages, selector_ptr)
     if idle:
         return
-    offs_d = tl.arange(0, HEAD_SIZE)
     q_heads = query_ptr + row * stride_q_row + head * GROUP_SIZE * stride_q_head
     lm_row = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     if z >= 2:
         # The tile's query rows: EST_ROWS (= GROUP_ROWS unless the int8
         # digit products pack the heads, _estimate_rows).
-        offs_e = tl.arange(0, EST_ROWS)
-        mask_e = offs_e < GROUP_SIZE
-        q_rows = tl.load(
-            q_heads + offs_e[:, None] * stride_q_head + offs_d[None, :],
-            mask=mask_e[:, None],
-            other=0.0,
-        )
+        q_rows, offs_e, mask_e = _query_heads(q_heads, stride_q_head, GROUP_SIZE, EST_ROWS,
+                                              HEAD_SIZE)  # fmt: skip
         q_scaled = q_rows.to(tl.float32) * scale
         q_sq = q_scaled * q_scaled
         if INT8:
@@ -1452,13 +1372,7 @@ def kernel_moira_estimate(
             mask=mask_p[:, None] & mask_e[None, :],
         )
     else:
-        offs_g = tl.arange(0, GROUP_ROWS)
-        mask_g = offs_g < GROUP_SIZE
-        q = tl.load(
-            q_heads + offs_g[:, None] * stride_q_head + offs_d[None, :],
-            mask=mask_g[:, None],
-            other=0.0,
-        )
+        q, offs_g, mask_g = _query_heads(q_heads, stride_q_head, GROUP_SIZE, GROUP_ROWS, HEAD_SIZE)
         # The sink page (z = 0) or the current page (z = 1), from the keys.
         page = tl.where(z == 0, 0, last)
         block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
@@ -1485,20 +1399,12 @@ def _estimate_strides(query, kv_cache, summaries, scales, block_table, logmass) 
 
 
 def estimate_page_logmass(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    logmass: torch.Tensor,
-    scale: float,
-    estimator: str,
-    selector_params: torch.Tensor | None = None,
-    list_pages: torch.Tensor | None = None,
-    write_filled_pages: bool = False,
-    k_scale: torch.Tensor | None = None,
-    launch: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, logmass: torch.Tensor, scale: float,
+    estimator: str, selector_params: torch.Tensor | None = None,
+    kept_total: torch.Tensor | None = None, write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None, launch: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:  # fmt: skip
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
     have ``summary_slots(estimator)`` slots (no default: the summaries decide,
@@ -1506,7 +1412,7 @@ def estimate_page_logmass(
     ``block_table.shape[1]`` pages per row. ``selector_params``
     (``MoiraWorkspace.selector_params``): rows that Select will keep whole
     (``dense_batch_tokens``) are skipped; None estimates every row.
-    ``list_pages`` (int32 ``[1]``, ``MoiraWorkspace.list_pages``) is zeroed
+    ``kept_total`` (int32 ``[1]``, ``MoiraWorkspace.kept_total``) is zeroed
     for Select to sum the step's list lengths into. ``write_filled_pages``:
     also write the summary of each row's current page whose 64 tokens are
     all in (``seq_len % 64 == 0``), as ``write_page_summaries`` does for its
@@ -1544,62 +1450,53 @@ def estimate_page_logmass(
         logmass,
         # Unread when SKIP_DENSE_ROWS is False; any fp32 pointer will do.
         logmass if selector_params is None else selector_params,
-        # Unwritten when RESET_LIST_PAGES is False.
-        seq_lens if list_pages is None else list_pages,
+        # Unwritten when RESET_KEPT_TOTAL is False.
+        seq_lens if kept_total is None else kept_total,
         k_scale_arg,
         scale,
         *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        EST_ROWS=_estimate_rows(group_size, int8),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=est.tile_pages,
-        NUM_TOP=num_top,
-        SKIP_DENSE_ROWS=selector_params is not None,
-        INT8=int8,
-        KEY_STAGES=est.key_stages,
-        RESET_LIST_PAGES=list_pages is not None,
-        WRITE_FILLED_PAGE=write_filled_pages,
-        KV_FP8=kv_fp8,
-        INT4=int4,
-        num_warps=est.num_warps,
-        **_register_cap(est.maxnreg),
-        **_dependent_launch(launch),
-    )
+        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size),
+        EST_ROWS=_estimate_rows(group_size, int8), HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE,
+        TILE_PAGES=est.tile_pages, NUM_TOP=num_top, SKIP_DENSE_ROWS=selector_params is not None,
+        INT8=int8, KEY_STAGES=est.key_stages, RESET_KEPT_TOTAL=kept_total is not None,
+        WRITE_FILLED_PAGE=write_filled_pages, KV_FP8=kv_fp8, INT4=int4, num_warps=est.num_warps,
+        **_register_cap(est.maxnreg), **_dependent_launch(launch),
+    )  # fmt: skip
 
 
 # ==========================================================================
 # Select (Eq. 3, Alg. 1)
 # ==========================================================================
 @triton.jit
-def _kept_share(
-    pibar_ptr,
-    tile_pibar,
-    num_pages,
-    tau,
-    by_count,
-    TILE_PAGES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-):
-    # Share (or count) of the middle pages (not the sink, not the current
-    # page) whose pibar is >= tau. One tile stays in registers; longer rows
-    # re-read their pibar from the scratch buffer (L1/L2-resident).
+def _pibar_tile(pibar_ptr, tile_pibar, t, num_pages, TILE_PAGES: tl.constexpr,
+                NUM_TILES: tl.constexpr):  # fmt: skip
+    # Tile t of a row's pibar: (its pages, which of them are middle pages (not
+    # the sink, not the current page), their pibar). One tile stays in
+    # registers; longer rows re-read their pibar from the scratch buffer
+    # (L1/L2-resident).
+    pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+    middle = (pages > 0) & (pages < num_pages - 1)
+    if NUM_TILES == 1:
+        pib = tile_pibar
+    else:
+        pib = tl.load(pibar_ptr + pages, mask=middle, other=0.0)
+    return pages, middle, pib
+
+
+@triton.jit
+def _kept_share(pibar_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES: tl.constexpr,
+                NUM_TILES: tl.constexpr):  # fmt: skip
+    # Share (or count) of the middle pages whose pibar is >= tau.
     total = 0.0
     for t in tl.static_range(NUM_TILES):
-        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-        middle = (pages > 0) & (pages < num_pages - 1)
-        if NUM_TILES == 1:
-            pib = tile_pibar
-        else:
-            pib = tl.load(pibar_ptr + pages, mask=middle, other=0.0)
+        pages, middle, pib = _pibar_tile(pibar_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES)
         above = middle & (pib >= tau)
         total += tl.sum(tl.where(above, tl.where(by_count, 1.0, pib), 0.0), axis=0)
     return total
 
 
 @triton.jit
-def _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGES: tl.constexpr):
+def _count_list(read_stats_ptr, kept_total_ptr, n_kept, num_pages, HAS_KEPT_TOTAL: tl.constexpr):
     # Adds one (row, KV head)'s list to the running totals: pages kept and
     # pages in the rows (the read fraction, read by the host only outside the
     # decode step), and the step's list pages (Attend's chunk size). Plain
@@ -1610,9 +1507,9 @@ def _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGE
     # critical path, waiting for the list's stores.
     tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64), sem="relaxed")  # type: ignore[attr-defined]
     tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64), sem="relaxed")
-    if HAS_LIST_PAGES:
+    if HAS_KEPT_TOTAL:
         # Integer sum: the same in any order.
-        tl.atomic_add(list_pages_ptr, n_kept, sem="relaxed")
+        tl.atomic_add(kept_total_ptr, n_kept, sem="relaxed")
 
 
 @triton.jit
@@ -1620,23 +1517,14 @@ def _select_row(
     lm,  # this row's log-masses: [GROUP_SIZE, pages] at stride stride_lm_group
     pib_ptr,  # this row's pibar scratch (used when NUM_TILES > 1)
     out,  # this row's page list
-    count_ptr,
-    read_stats_ptr,
-    list_pages_ptr,
-    selector_ptr,
+    count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr,
     gamma,  # this row's coverage target (its request's, else the server's)
-    num_pages,
-    stride_lm_group,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-    LANES: tl.constexpr,
-    LANE_PASSES: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr,
+    num_pages, stride_lm_group, GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr, LANES: tl.constexpr,
+    LANE_PASSES: tl.constexpr, HAS_KEPT_TOTAL: tl.constexpr,
     stats=None,  # this row's Select statistics (if STORE_STATS): [1 + 2 * GROUP_ROWS] fp32
     STORE_STATS: tl.constexpr = False,
-):
+):  # fmt: skip
     # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
     # STORE_STATS (the first Select of refine="wide"): no list; instead the
     # threshold (the smallest kept middle share, inf when nothing is to be
@@ -1712,8 +1600,7 @@ def _select_row(
     if LANES > 1:
         # Loop-invariant parts of the pass, once: pages that are not middle
         # pages get pibar -1, below every threshold (tau >= 0), so a pass tests
-        # one compare per (page, threshold) instead of a compare and a mask
-        # (the offline sm_90 compile: 226 -> 132 instructions per pass at K_B = 4).
+        # one compare per (page, threshold) instead of a compare and a mask.
         tile = tl.arange(0, TILE_PAGES)
         middle_pibar = tl.where((tile > 0) & (tile < last), tile_pibar, -1.0)[:, None]
         weight = tl.where(by_count, 1.0, tile_pibar)[:, None]
@@ -1765,12 +1652,9 @@ def _select_row(
         n_above = 0.0
         n_band = 0.0
         for t in tl.static_range(NUM_TILES):
-            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-            middle = (pages > 0) & (pages < last)
-            if NUM_TILES == 1:
-                pib = tile_pibar
-            else:
-                pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+            pages, middle, pib = _pibar_tile(
+                pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES
+            )
             n_above += tl.sum((middle & (pib > hi)).to(tl.float32), axis=0)
             n_band += tl.sum((middle & (pib >= lo) & (pib <= hi)).to(tl.float32), axis=0)
         # Band pages to skip (the oldest ones) so that exactly K - 2 are kept.
@@ -1779,12 +1663,9 @@ def _select_row(
     if STORE_STATS:
         tau = float("inf")
         for t in tl.static_range(NUM_TILES):
-            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-            middle = (pages > 0) & (pages < last)
-            if NUM_TILES == 1:
-                pib = tile_pibar
-            else:
-                pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+            pages, middle, pib = _pibar_tile(
+                pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES
+            )
             tau = tl.minimum(tau, tl.min(tl.where(middle & (pib >= lo), pib, float("inf")), axis=0))
         # Fixed count and gamma >= 1 refine nothing (the reference's rule).
         tau = tl.where(by_count | keep_all, float("inf"), tau)
@@ -1793,16 +1674,16 @@ def _select_row(
         tl.store(stats + 1 + GROUP_ROWS + offs_g, inv_denom)
     else:
         _compact_list(
-            pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, list_pages_ptr, lo, hi,
-            exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_LIST_PAGES,
+            pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, kept_total_ptr, lo, hi,
+            exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_KEPT_TOTAL,
         )  # fmt: skip
 
 
 @triton.jit
 def _compact_list(
-    pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, list_pages_ptr, lo, hi, exact_count,
+    pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, kept_total_ptr, lo, hi, exact_count,
     n_skip, num_pages, TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr,
+    HAS_KEPT_TOTAL: tl.constexpr,
 ):  # fmt: skip
     # Pass 4 of _select_row: compaction into the row's list, in page order.
     last = num_pages - 1
@@ -1810,12 +1691,7 @@ def _compact_list(
     n_kept = 1
     band_seen = tl.full([], 0, tl.int32)
     for t in tl.static_range(NUM_TILES):
-        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-        middle = (pages > 0) & (pages < last)
-        if NUM_TILES == 1:
-            pib = tile_pibar
-        else:
-            pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+        pages, middle, pib = _pibar_tile(pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES)
         keep = middle & (pib >= lo)
         if exact_count:
             # Only the fixed count ranks its band pages: the coverage rule
@@ -1831,7 +1707,7 @@ def _compact_list(
         tl.store(out + n_kept, last)
         n_kept += 1
     tl.store(count_ptr, n_kept)
-    _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGES)
+    _count_list(read_stats_ptr, kept_total_ptr, n_kept, num_pages, HAS_KEPT_TOTAL)
 
 
 @triton.jit
@@ -1840,36 +1716,23 @@ def kernel_moira_select(
     seq_lens_ptr,  # [num_rows] int32
     pibar_ptr,  # [max_rows, num_kv_heads, max_pages] fp32 (scratch)
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
+    list_lengths_ptr,  # [max_rows, num_kv_heads] int32 (out)
     read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
-    list_pages_ptr,  # [1] int32: the step's pages in all lists (added to, if HAS_LIST_PAGES)
+    kept_total_ptr,  # [1] int32: the step's pages in all lists (added to, if HAS_KEPT_TOTAL)
     selector_ptr,  # [4] fp32: gamma, fixed K (0 = off), fixed fraction (0 = off),
     # dense batch pages (0 = off)
     row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
     select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * GROUP_ROWS] fp32 (out, if STORE_STATS)
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    stride_pib_row: tl.int64,
-    stride_pib_head: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
-    stride_st_row: tl.int64,
-    stride_st_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-    SHORT_TILE_PAGES: tl.constexpr,
-    LONG_LANES: tl.constexpr,
-    LONG_LANE_PASSES: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_ROW_GAMMA: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr = False,
-    STORE_STATS: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-):
+    stride_lm_row: tl.int64, stride_lm_head: tl.int64, stride_lm_group: tl.int64,  # logmass
+    stride_pib_row: tl.int64, stride_pib_head: tl.int64,  # pibar
+    stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_ll_row: tl.int64,  # the lists
+    stride_st_row: tl.int64, stride_st_head: tl.int64,  # select_stats
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr, SHORT_TILE_PAGES: tl.constexpr,
+    LONG_LANES: tl.constexpr, LONG_LANE_PASSES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_ROW_GAMMA: tl.constexpr, HAS_KEPT_TOTAL: tl.constexpr = False,
+    STORE_STATS: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # STORE_STATS: the first of refine="wide"'s two Selects (_select_row):
     # statistics instead of the list, nothing counted.
     # One program per (row, KV head). Writes the row's page list (logical
@@ -1896,7 +1759,7 @@ def kernel_moira_select(
         gamma = tl.where(row_gamma > 0.0, row_gamma, gamma)
     dense_row = _is_dense_row(num_pages, selector_ptr)
     _wait_for_previous_kernel(USE_GDC)
-    count_ptr = page_count_ptr + row * stride_pc_row + head
+    count_ptr = list_lengths_ptr + row * stride_ll_row + head
     stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
     if STORE_STATS:
         # Empty and dense rows, fixed-count and gamma >= 1 rows: nothing to refine
@@ -1919,44 +1782,36 @@ def kernel_moira_select(
             pages = start + tl.arange(0, SHORT_TILE_PAGES)
             tl.store(out + pages, pages, mask=pages < num_pages)
         tl.store(count_ptr, num_pages)
-        _count_list(read_stats_ptr, list_pages_ptr, num_pages, num_pages, HAS_LIST_PAGES)
+        _count_list(read_stats_ptr, kept_total_ptr, num_pages, num_pages, HAS_KEPT_TOTAL)
         return
     if SHORT_TILE_PAGES < TILE_PAGES:
         if num_pages < SHORT_TILE_PAGES:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
-                HAS_LIST_PAGES, stats, STORE_STATS,
+                HAS_KEPT_TOTAL, stats, STORE_STATS,
             )  # fmt: skip
         else:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
-                LONG_LANES, LONG_LANE_PASSES, HAS_LIST_PAGES, stats, STORE_STATS,
+                LONG_LANES, LONG_LANE_PASSES, HAS_KEPT_TOTAL, stats, STORE_STATS,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+            lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
             num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
-            HAS_LIST_PAGES, stats, STORE_STATS,
+            HAS_KEPT_TOTAL, stats, STORE_STATS,
         )  # fmt: skip
 
 
 def select_pages(
-    logmass: torch.Tensor,
-    seq_lens: torch.Tensor,
-    pibar: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    selector_params: torch.Tensor,
-    num_rows: int,
-    max_pages: int,
-    read_stats: torch.Tensor,
-    row_gamma: torch.Tensor | None = None,
-    list_pages: torch.Tensor | None = None,
-    select_stats: torch.Tensor | None = None,
+    logmass: torch.Tensor, seq_lens: torch.Tensor, pibar: torch.Tensor, page_list: torch.Tensor,
+    list_lengths: torch.Tensor, selector_params: torch.Tensor, num_rows: int, max_pages: int,
+    read_stats: torch.Tensor, row_gamma: torch.Tensor | None = None,
+    kept_total: torch.Tensor | None = None, select_stats: torch.Tensor | None = None,
     launch: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
     ``select_stats`` (fp32 ``[max_rows, H_kv, 1 + 2 * GROUP_ROWS]``,
@@ -1970,7 +1825,7 @@ def select_pages(
     it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept
     and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
     ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
-    was last zeroed. ``list_pages`` (int32 ``[1]``, zeroed by Estimate) gets
+    was last zeroed. ``kept_total`` (int32 ``[1]``, zeroed by Estimate) gets
     the lengths of all the lists added, for Attend's chunk size. ``launch``:
     launch overrides by kernel (``check_launch_overrides``).
     """
@@ -1984,10 +1839,10 @@ def select_pages(
         seq_lens,
         pibar,
         page_list,
-        page_count,
+        list_lengths,
         read_stats,
-        # Unwritten when HAS_LIST_PAGES is False.
-        page_count if list_pages is None else list_pages,
+        # Unwritten when HAS_KEPT_TOTAL is False.
+        list_lengths if kept_total is None else kept_total,
         selector_params,
         # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
         selector_params if row_gamma is None else row_gamma,
@@ -2000,24 +1855,19 @@ def select_pages(
         pibar.stride(1),
         page_list.stride(0),
         page_list.stride(1),
-        page_count.stride(0),
+        list_lengths.stride(0),
         0 if select_stats is None else select_stats.stride(0),
         0 if select_stats is None else select_stats.stride(1),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=triton.next_power_of_2(group_size),
-        TILE_PAGES=tile_pages,
-        NUM_TILES=num_tiles,
-        SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
+        GROUP_SIZE=group_size, GROUP_ROWS=triton.next_power_of_2(group_size),
+        TILE_PAGES=tile_pages, NUM_TILES=num_tiles, SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
         LONG_LANES=select.lanes,
         # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
-        LONG_LANE_PASSES=24 // max(select.lanes.bit_length() - 1, 1),
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
+        LONG_LANE_PASSES=24 // max(select.lanes.bit_length() - 1, 1), PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
-        HAS_LIST_PAGES=list_pages is not None and select_stats is None,
-        STORE_STATS=select_stats is not None,
-        num_warps=select.num_warps,
+        HAS_KEPT_TOTAL=kept_total is not None and select_stats is None,
+        STORE_STATS=select_stats is not None, num_warps=select.num_warps,
         **_dependent_launch(launch),
-    )
+    )  # fmt: skip
 
 
 # ==========================================================================
@@ -2041,45 +1891,24 @@ def _select_stats_width(group_size: int) -> int:
 
 @triton.jit(do_not_specialize=["below_factor", "wide_min_v"])
 def kernel_moira_refine(
-    query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
-    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
-    block_table_ptr,  # [num_rows, max_blocks] int32
-    seq_lens_ptr,  # [num_rows] int32
-    logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (in and out)
-    select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * STATS_ROWS] fp32 (the first Select's)
-    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
-    scale,
+    # kernel_moira_estimate's query, cache, summaries, block table and lengths;
+    # its log-masses (in and out); the first Select's statistics per list,
+    # [max_rows, num_kv_heads, 1 + 2 * STATS_ROWS] fp32.
+    query_ptr, kv_cache_ptr, summaries_ptr, scales_ptr, block_table_ptr, seq_lens_ptr,
+    logmass_ptr, select_stats_ptr, k_scale_ptr, scale,
     below_factor,  # e^-REFINE_BELOW_NATS
     wide_min_v,  # REFINE_WIDE_FACTOR * 2 ln(PAGE_SIZE - NUM_TOP)
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
-    stride_bt_row: tl.int64,
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    stride_st_row: tl.int64,
-    stride_st_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    STATS_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TOP: tl.constexpr,
-    INT8: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    PIPELINE_STAGES: tl.constexpr,  # RefineLaunch.pipeline_stages
-    USE_GDC: tl.constexpr = False,
-):
+    # _estimate_strides, then select_stats'
+    stride_q_row: tl.int64, stride_q_head: tl.int64, stride_kv_block: tl.int64,
+    stride_kv_head: tl.int64, stride_kv_token: tl.int64, stride_sum_block: tl.int64,
+    stride_sum_head: tl.int64, stride_scale_block: tl.int64, stride_scale_head: tl.int64,
+    stride_bt_row: tl.int64, stride_lm_row: tl.int64, stride_lm_head: tl.int64,
+    stride_lm_group: tl.int64, stride_st_row: tl.int64, stride_st_head: tl.int64,
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, STATS_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    NUM_TOP: tl.constexpr, INT8: tl.constexpr, KV_FP8: tl.constexpr,
+    PIPELINE_STAGES: tl.constexpr, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # Programs (row, KV head, p): program p of a list takes its tiles of
     # TILE_PAGES pages p, p + P, p + 2P, ... (P = the grid's third extent,
     # refine_programs_per_list). A middle page is refined when (1) its pibar,
@@ -2087,7 +1916,7 @@ def kernel_moira_refine(
     # statistics, is at least tau e^-below (tau: the smallest share that
     # Select kept), and (2) its group-mean spread x^2 . sigma^2 (the
     # summary's variance slot) is at least wide_min_v: the pages whose spread
-    # term can over-estimate them past a needle page (docs/estimator.md). Its
+    # term can over-estimate them past a needle page. Its
     # log-mass is then replaced by the exact one, from its 64 keys; the second
     # Select runs on the result. Each page belongs to one program, which alone
     # reads and writes its log-mass.
@@ -2114,14 +1943,8 @@ def kernel_moira_refine(
     offs_d = tl.arange(0, HEAD_SIZE)
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
-    q = tl.load(
-        query_ptr
-        + row * stride_q_row
-        + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
-        + offs_d[None, :],
-        mask=mask_g[:, None],
-        other=0.0,
-    )
+    q_heads = query_ptr + row * stride_q_row + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
+    q = tl.load(q_heads + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     xq = q.to(tl.float32) * scale
     k_scale = 1.0
     if KV_FP8:
@@ -2189,18 +2012,12 @@ def _refine_page(
 
 
 def refine_page_logmass(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    logmass: torch.Tensor,
-    select_stats: torch.Tensor,
-    scale: float,
-    estimator: str,
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, logmass: torch.Tensor,
+    select_stats: torch.Tensor, scale: float, estimator: str,
     k_scale: torch.Tensor | None = None,
     launch: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """refine="wide": overwrite ``logmass`` of the pages kernel_moira_refine picks
     with their exact log-mass. ``select_stats`` is the first Select's
     (``select_pages(..., select_stats=...)``) on the same log-masses. ``launch``:
@@ -2216,36 +2033,19 @@ def refine_page_logmass(
     assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     refine = refine_launch((launch or {}).get("refine"))
-    grid = (num_rows, num_kv_heads, refine_programs_per_list(num_rows, num_kv_heads, max_pages, refine))
+    programs = refine_programs_per_list(num_rows, num_kv_heads, max_pages, refine)
+    grid = (num_rows, num_kv_heads, programs)
     kernel_moira_refine[grid](
-        query,
-        kv_cache,
-        kernel_summaries,
-        scales,
-        block_table,
-        seq_lens,
-        logmass,
-        select_stats,
-        k_scale_arg,
-        scale,
-        math.exp(-REFINE_BELOW_NATS),
+        query, kv_cache, kernel_summaries, scales, block_table, seq_lens, logmass, select_stats,
+        k_scale_arg, scale, math.exp(-REFINE_BELOW_NATS),
         REFINE_WIDE_FACTOR * 2.0 * math.log(MOIRA_PAGE_SIZE - num_top),
         *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
-        select_stats.stride(0),
-        select_stats.stride(1),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        STATS_ROWS=stats_rows,
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=refine.tile_pages,
-        NUM_TOP=num_top,
-        INT8=int8,
-        KV_FP8=kv_fp8,
-        PIPELINE_STAGES=refine.pipeline_stages,
-        num_warps=refine.num_warps,
-        **_dependent_launch(launch),
-    )
+        select_stats.stride(0), select_stats.stride(1),
+        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), STATS_ROWS=stats_rows,
+        HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE, TILE_PAGES=refine.tile_pages,
+        NUM_TOP=num_top, INT8=int8, KV_FP8=kv_fp8, PIPELINE_STAGES=refine.pipeline_stages,
+        num_warps=refine.num_warps, **_dependent_launch(launch),
+    )  # fmt: skip
 
 
 # ==========================================================================
@@ -2257,22 +2057,12 @@ def _attend_list_pages(
     kv_head_ptr,  # [num_blocks, ., PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8): its pages
     block_table_row_ptr,  # [max_blocks] int32: the row's block table
     pages_ptr,  # [max_pages] int32: the (row, KV head)'s page list
-    seq_len,
-    start,
-    end,
-    scale,
+    seq_len, start, end, scale,
     k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
     v_scale,  # fp32 scalar: the layer's V dequantization scale (if KV_FP8)
-    q_heads,
-    mask_g,
-    stride_q_head,
-    stride_kv_block,
-    stride_kv_token,
-    GROUP_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+    q_heads, mask_g, stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
     # Online softmax of the G query heads over list entries [start, end), one
     # page per iteration: returns the unnormalized output, the running max
     # (base 2) and sum. KV_FP8: the pages' e4m3 K and V are converted to fp16
@@ -2320,13 +2110,14 @@ def _attend_list_pages(
 
 
 @triton.jit
-def _step_pages_per_block(list_pages_ptr, num_blocks):
-    # Pages per Attend block: the step's list pages P over its N_F blocks, so that ceil(P / chunk) <= N_F blocks cover them.
-    return tl.maximum(tl.cdiv(tl.load(list_pages_ptr), num_blocks), 1)
+def _step_pages_per_block(kept_total_ptr, num_blocks):
+    # Pages per Attend block: the step's kept pages P over its N_F blocks, so
+    # that ceil(P / chunk) <= N_F blocks cover them.
+    return tl.maximum(tl.cdiv(tl.load(kept_total_ptr), num_blocks), 1)
 
 
 @triton.jit
-def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, position,
+def _list_of_step_page(list_lengths_ptr, stride_ll_row, num_kv_heads, num_lists, position,
                        LISTS_TILE: tl.constexpr):  # fmt: skip
     # The list (row * num_kv_heads + head) that holds entry `position` of
     # the step's lists laid end to end, and the position of its first entry:
@@ -2340,7 +2131,7 @@ def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, p
         index = first + offs
         mask = index < num_lists
         count = tl.load(
-            page_count_ptr + (index // num_kv_heads) * stride_pc_row + index % num_kv_heads,
+            list_lengths_ptr + (index // num_kv_heads) * stride_ll_row + index % num_kv_heads,
             mask=mask,
             other=0,
         )
@@ -2359,8 +2150,8 @@ def kernel_moira_attend(
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+    list_lengths_ptr,  # [max_rows, num_kv_heads] int32
+    kept_total_ptr,  # [1] int32: pages in all the lists of the step
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, lists of one part)
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32 (out)
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32 (out)
@@ -2368,28 +2159,14 @@ def kernel_moira_attend(
     v_scale_ptr,  # [1] fp32: the layer's V dequantization scale (if KV_FP8)
     scale,
     list_start_ptr,  # [max_rows * num_kv_heads] int32 (out): each list's first step position
-    num_kv_heads,
-    num_lists,
-    num_blocks,
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_bt_row: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    LISTS_TILE: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    num_kv_heads, num_lists, num_blocks, stride_q_row: tl.int64, stride_q_head: tl.int64,
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,
+    stride_bt_row: tl.int64, stride_pl_row: tl.int64, stride_pl_head: tl.int64,
+    stride_ll_row: tl.int64, stride_o_row: tl.int64, stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, LISTS_TILE: tl.constexpr, KV_FP8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
-):
+):  # fmt: skip
     # Block b plans its own work from device memory (paper Alg. 2 plans per
     # list; this plans over the whole step, so uneven lists leave no block
     # with more work than another): the step's lists laid end to end (list index = row *
@@ -2402,13 +2179,13 @@ def kernel_moira_attend(
     # list's parts from its first position (list_start).
     _wait_for_previous_kernel(USE_GDC)
     block_id = tl.program_id(0)
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
+    kept_total = tl.load(kept_total_ptr)
+    chunk = _step_pages_per_block(kept_total_ptr, num_blocks)
     position = block_id * chunk
-    if position >= list_pages:
+    if position >= kept_total:
         return
-    end = tl.minimum(position + chunk, list_pages)
-    lst, lst_first = _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads,
+    end = tl.minimum(position + chunk, kept_total)
+    lst, lst_first = _list_of_step_page(list_lengths_ptr, stride_ll_row, num_kv_heads,
                                         num_lists, position, LISTS_TILE)  # fmt: skip
     offs_g = tl.arange(0, GROUP_ROWS)
     offs_d = tl.arange(0, HEAD_SIZE)
@@ -2421,7 +2198,7 @@ def kernel_moira_attend(
     while (position < end) & (lst < num_lists):
         row = lst // num_kv_heads
         head = lst % num_kv_heads
-        n = tl.load(page_count_ptr + row * stride_pc_row + head)
+        n = tl.load(list_lengths_ptr + row * stride_ll_row + head)
         lo = position - lst_first
         hi = tl.minimum(end - lst_first, n)
         if hi > lo:
@@ -2467,12 +2244,8 @@ def _merge_chunks(
     partial_out_ptr,  # [num_parts, HEAD_SIZE] fp32
     partial_lse_ptr,  # [num_parts] fp32
     out_ptr,  # [HEAD_SIZE] bf16 (out): one query head of one row
-    first_part,
-    part_step,
-    num_chunks,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
-):
+    first_part, part_step, num_chunks, HEAD_SIZE: tl.constexpr, TILE_CHUNKS: tl.constexpr,
+):  # fmt: skip
     # Log-sum-exp combine of the partials first_part + j * part_step,
     # j < num_chunks, in chunk order.
     offs_j = tl.arange(0, TILE_CHUNKS)
@@ -2500,21 +2273,16 @@ def _merge_chunks(
 
 @triton.jit(do_not_specialize=["num_blocks"])
 def kernel_moira_merge(
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+    list_lengths_ptr,  # [max_rows, num_kv_heads] int32
+    kept_total_ptr,  # [1] int32: pages in all the lists of the step
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
     list_start_ptr,  # [max_rows * num_kv_heads] int32: each list's first step position
-    num_blocks,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
+    num_blocks, stride_ll_row: tl.int64, stride_o_row: tl.int64, stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, TILE_CHUNKS: tl.constexpr,
     USE_GDC: tl.constexpr = False,
-):
+):  # fmt: skip
     # One program per (row, query head) after kernel_moira_attend: the
     # list's parts are blocks first .. last of its run, in slots b + list.
     # Lists inside one run were written by Attend and exit here.
@@ -2523,12 +2291,12 @@ def kernel_moira_merge(
     q_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1) // GROUP_SIZE
     head = q_head // GROUP_SIZE
-    n = tl.load(page_count_ptr + row * stride_pc_row + head)
+    n = tl.load(list_lengths_ptr + row * stride_ll_row + head)
     if n == 0:
         return
     lst = row * num_kv_heads + head
     first = tl.load(list_start_ptr + lst)
-    chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
+    chunk = _step_pages_per_block(kept_total_ptr, num_blocks)
     first_block = first // chunk
     num_parts = (first + n - 1) // chunk - first_block + 1
     if num_parts <= 1:
@@ -2540,30 +2308,22 @@ def kernel_moira_merge(
 
 
 def attend(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    list_pages: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    page_list: torch.Tensor, list_lengths: torch.Tensor, output: torch.Tensor,
+    workspace: MoiraWorkspace, scale: float, kept_total: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Attend + Merge over any selector's page lists.
 
     ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
-    page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
+    page indices of each (row, KV head), ``list_lengths`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
     N_F blocks (``workspace.attend_fill_blocks``) share the step's pages
     evenly; Merge combines the lists that span several blocks. The launch is
     ``attend_launch`` with the workspace's overrides.
-    ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
-    leaves it in ``workspace.list_pages``; None sums the counts here (one
-    reduction on the device, into ``workspace.list_pages``).
+    ``kept_total`` (int32 ``[1]``): the sum of ``list_lengths[:B]``, as Select
+    leaves it in ``workspace.kept_total``; None sums the counts here (one
+    reduction on the device, into ``workspace.kept_total``).
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` and ``v_scale`` (the layer's
     fp32 scales, one value each): attention over the dequantized K and V.
     """
@@ -2578,10 +2338,10 @@ def attend(
         )
     num_kv_heads = kv_cache.shape[1]
     group_size = num_q_heads // num_kv_heads
-    if list_pages is None:
-        list_pages = workspace.list_pages
-        torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
-                  out=list_pages[0])  # fmt: skip
+    if kept_total is None:
+        kept_total = workspace.kept_total
+        torch.sum(list_lengths[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
+                  out=kept_total[0])  # fmt: skip
     num_lists = num_rows * num_kv_heads
     num_blocks = workspace.attend_fill_blocks
     # A few tile sizes (so a few compiled variants) cover every batch; the
@@ -2589,31 +2349,22 @@ def attend(
     lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
     launch = attend_launch(kv_fp8, workspace.launch.get("attend"))
     kernel_moira_attend[(num_blocks,)](
-        query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
+        query, kv_cache, block_table, seq_lens, page_list, list_lengths, kept_total, output,
         workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg, scale,
         workspace.list_start, num_kv_heads, num_lists, num_blocks,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
-        page_count.stride(0), output.stride(0), output.stride(1),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        LISTS_TILE=lists_tile,
-        KV_FP8=kv_fp8,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **_register_cap(launch.maxnreg),
+        list_lengths.stride(0), output.stride(0), output.stride(1),
+        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), HEAD_SIZE=head_size,
+        PAGE_SIZE=MOIRA_PAGE_SIZE, LISTS_TILE=lists_tile, KV_FP8=kv_fp8,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **_register_cap(launch.maxnreg),
         **_dependent_launch(workspace.launch),
     )  # fmt: skip
     kernel_moira_merge[(num_rows, num_q_heads)](
-        page_count, list_pages, workspace.partial_out, workspace.partial_lse, output,
-        workspace.list_start, num_blocks, page_count.stride(0), output.stride(0),
+        list_lengths, kept_total, workspace.partial_out, workspace.partial_lse, output,
+        workspace.list_start, num_blocks, list_lengths.stride(0), output.stride(0),
         output.stride(1),
-        GROUP_SIZE=group_size,
-        HEAD_SIZE=head_size,
-        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
-        num_warps=4,
+        GROUP_SIZE=group_size, HEAD_SIZE=head_size, TILE_CHUNKS=_MERGE_TILE_CHUNKS, num_warps=4,
         **_dependent_launch(workspace.launch),
     )  # fmt: skip
 
@@ -2692,7 +2443,7 @@ class MoiraWorkspace:
         self.page_list = torch.empty(
             max_num_seqs, num_kv_heads, max_pages, dtype=i32, device=device
         )
-        self.page_count = torch.zeros(max_num_seqs, num_kv_heads, dtype=i32, device=device)
+        self.list_lengths = torch.zeros(max_num_seqs, num_kv_heads, dtype=i32, device=device)
         self.partial_out = torch.empty(num_parts, num_q_heads, head_size, dtype=f32, device=device)
         self.partial_lse = torch.empty(num_parts, num_q_heads, dtype=f32, device=device)
         #: Where each list of the step starts
@@ -2706,7 +2457,7 @@ class MoiraWorkspace:
         self.dense_read_pages = 0
         #: Pages in all the lists of the current step (Estimate zeroes it,
         #: Select adds each list, Attend and Merge size their chunks by it).
-        self.list_pages = torch.zeros(1, dtype=i32, device=device)
+        self.kept_total = torch.zeros(1, dtype=i32, device=device)
         #: Select's parameters (gamma, K, fraction), read on the device so that
         #: set_selector() changes what captured graphs do.
         self.selector_params = torch.tensor(config.selector_values(), dtype=f32, device=device)
@@ -2782,12 +2533,12 @@ class MoiraWorkspace:
             self.logmass,
             self.pibar,
             self.page_list,
-            self.page_count,
+            self.list_lengths,
             self.partial_out,
             self.partial_lse,
             self.list_start,
             self.read_stats,
-            self.list_pages,
+            self.kept_total,
             self.selector_params,
             self.row_gamma,
         )
@@ -2824,17 +2575,11 @@ def moira_workspace_bytes(
 
 
 def estimate_and_select(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    write_filled_pages: bool = False,
-    k_scale: torch.Tensor | None = None,
-) -> None:
-    """Estimate + Select: fills ``workspace.page_list`` / ``page_count``
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, workspace: MoiraWorkspace, scale: float,
+    write_filled_pages: bool = False, k_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Estimate + Select: fills ``workspace.page_list`` / ``list_lengths``
     (``write_filled_pages``, ``k_scale``: see ``estimate_page_logmass``)."""
     num_rows = query.shape[0]
     if num_rows == 0:
@@ -2848,70 +2593,34 @@ def estimate_and_select(
     # never reach them (seq_len <= max_model_len <= 64 * workspace.max_pages),
     # so the grids cover only the pages the workspace was sized for.
     max_pages = min(block_table.shape[1], workspace.max_pages)
+    ws = workspace
     estimate_page_logmass(
-        query,
-        kv_cache,
-        summaries,
-        block_table,
-        seq_lens,
-        workspace.logmass,
-        scale,
-        workspace.config.estimator,
-        workspace.selector_params,
-        list_pages=workspace.list_pages,
-        write_filled_pages=write_filled_pages,
-        k_scale=k_scale,
-        launch=workspace.launch,
-    )
-    if workspace.select_stats is not None:
+        query, kv_cache, summaries, block_table, seq_lens, ws.logmass, scale, ws.config.estimator,
+        ws.selector_params, kept_total=ws.kept_total, write_filled_pages=write_filled_pages,
+        k_scale=k_scale, launch=ws.launch,
+    )  # fmt: skip
+
+    def select(**outputs: torch.Tensor | None) -> None:
+        select_pages(ws.logmass, seq_lens, ws.pibar, ws.page_list, ws.list_lengths,
+                     ws.selector_params, num_rows, max_pages, ws.read_stats,
+                     row_gamma=ws.row_gamma, launch=ws.launch, **outputs)  # fmt: skip
+
+    if ws.select_stats is not None:
         # refine="wide": Select once for the threshold, refine, then the real Select.
-        select_pages(
-            workspace.logmass,
-            seq_lens,
-            workspace.pibar,
-            workspace.page_list,
-            workspace.page_count,
-            workspace.selector_params,
-            num_rows,
-            max_pages,
-            workspace.read_stats,
-            row_gamma=workspace.row_gamma,
-            select_stats=workspace.select_stats,
-            launch=workspace.launch,
-        )
+        select(select_stats=ws.select_stats)
         refine_page_logmass(
-            query, kv_cache, summaries, block_table, seq_lens, workspace.logmass,
-            workspace.select_stats, scale, workspace.config.estimator, k_scale, workspace.launch,
+            query, kv_cache, summaries, block_table, seq_lens, ws.logmass, ws.select_stats,
+            scale, ws.config.estimator, k_scale, ws.launch,
         )  # fmt: skip
-    select_pages(
-        workspace.logmass,
-        seq_lens,
-        workspace.pibar,
-        workspace.page_list,
-        workspace.page_count,
-        workspace.selector_params,
-        num_rows,
-        max_pages,
-        workspace.read_stats,
-        row_gamma=workspace.row_gamma,
-        list_pages=workspace.list_pages,
-        launch=workspace.launch,
-    )
+    select(kept_total=ws.kept_total)
 
 
 def moira_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    write_filled_pages: bool = False,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, output: torch.Tensor,
+    workspace: MoiraWorkspace, scale: float, write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """One layer's sparse decode: Estimate -> Select -> Attend -> Merge.
 
     ``query``/``output`` ``[B, H_q, D]`` bf16 (one token per row),
@@ -2937,11 +2646,11 @@ def moira_decode(
         block_table,
         seq_lens,
         workspace.page_list,
-        workspace.page_count,
+        workspace.list_lengths,
         output,
         workspace,
         scale,
-        list_pages=workspace.list_pages,
+        kept_total=workspace.kept_total,
         k_scale=k_scale,
         v_scale=v_scale,
     )
@@ -3334,6 +3043,49 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
 # --------------------------------------------------------------------------
 # Backend
 # --------------------------------------------------------------------------
+#: MoiraBackend.validate_configuration's feature flags that MOIRA refuses,
+#: with the reason (an unknown flag that is set gets a generic one).
+_REFUSED_FEATURES = {
+    "use_mla": "MLA models are not supported by MOIRA; only MHA/GQA/MQA",
+    "use_sparse": "sparse (indexer) attention is not supported by MOIRA",
+    "has_sink": "attention sinks (learned sinks) are not supported by MOIRA",
+    "use_mm_prefix": (
+        "multimodal prefix (mm_prefix) bidirectional attention is not supported by MOIRA"
+    ),
+    "use_per_head_quant_scales": "per-head KV quantization scales are not supported by MOIRA",
+    "has_sliding_window": (
+        "sliding-window attention is not supported by MOIRA; only full attention (for "
+        'mixed models use attention_config.backend_per_kind={"sliding_window": "FLASH_ATTN"})'
+    ),
+    "use_rswa": "R-SWA attention is not supported by MOIRA",
+    "use_non_causal": "non-causal attention is not supported by MOIRA; causal only",
+    "use_batch_invariant": (
+        "batch invariance (VLLM_BATCH_INVARIANT=1) is not supported by MOIRA: its split-K "
+        "decode is not batch invariant"
+    ),
+    "use_kv_connector": (
+        "KV connectors / KV offloading are not supported by MOIRA: externally loaded KV "
+        "blocks carry no page summaries"
+    ),
+    "use_dcp": (
+        "decode context parallelism (DCP) is not supported by MOIRA; use "
+        "decode_context_parallel_size=1"
+    ),
+    "use_pcp": (
+        "prefill context parallelism (PCP) is not supported by MOIRA; use "
+        "prefill_context_parallel_size=1"
+    ),
+    "use_adaptive_verification": (
+        "adaptive verification (speculative decoding) is not supported by MOIRA"
+    ),
+}
+
+
+def _unsupported(cls: type[MoiraBackend]) -> bool:
+    """A capability MoiraBackend does not have (see its class body)."""
+    return False
+
+
 class MoiraBackend(FlashAttentionBackend):
     """Sparse decode (Moira kernels) + FA3 prefill, for SM90, bf16 or fp8 KV.
 
@@ -3422,37 +3174,16 @@ class MoiraBackend(FlashAttentionBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_rswa(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False
+    # Capabilities FA advertises that Moira's kernels do not have: the selector
+    # refuses them instead of falling back.
+    supports_sliding_window = classmethod(_unsupported)
+    supports_rswa = classmethod(_unsupported)
+    supports_non_causal = classmethod(_unsupported)
+    supports_sink = classmethod(_unsupported)
+    supports_mm_prefix = classmethod(_unsupported)
+    supports_batch_invariance = classmethod(_unsupported)
+    supports_per_head_quant_scales = classmethod(_unsupported)
+    supports_kv_connector = classmethod(_unsupported)
 
     @classmethod
     def supports_combination(cls, *args: Any, **kwargs: Any) -> str | None:
@@ -3504,18 +3235,6 @@ class MoiraBackend(FlashAttentionBackend):
                 f"block size is exactly {MOIRA_PAGE_SIZE} (use --block-size "
                 f"{MOIRA_PAGE_SIZE}, or a multiple of it, or leave it unset)"
             )
-        if use_mla:
-            r.append("MLA models are not supported by MOIRA; only MHA/GQA/MQA")
-        if use_sparse:
-            r.append("sparse (indexer) attention is not supported by MOIRA")
-        if has_sink:
-            r.append("attention sinks (learned sinks) are not supported by MOIRA")
-        if use_mm_prefix:
-            r.append(
-                "multimodal prefix (mm_prefix) bidirectional attention is not supported by MOIRA"
-            )
-        if use_per_head_quant_scales:
-            r.append("per-head KV quantization scales are not supported by MOIRA")
         if not cls.supports_compute_capability(device_capability):
             r.append(
                 f"compute capability {device_capability.major}."
@@ -3527,43 +3246,19 @@ class MoiraBackend(FlashAttentionBackend):
                 f"attention type {attn_type!r} is not supported by MOIRA; only "
                 f"{AttentionType.DECODER.value!r} is supported"
             )
-        if has_sliding_window:
-            r.append(
-                "sliding-window attention is not supported by MOIRA; only full "
-                "attention (for mixed models use attention_config."
-                'backend_per_kind={"sliding_window": "FLASH_ATTN"})'
-            )
-        if use_rswa:
-            r.append("R-SWA attention is not supported by MOIRA")
-        if use_non_causal:
-            r.append("non-causal attention is not supported by MOIRA; causal only")
-        if use_batch_invariant:
-            r.append(
-                "batch invariance (VLLM_BATCH_INVARIANT=1) is not supported by "
-                "MOIRA: its split-K decode is not batch invariant"
-            )
-        if use_kv_connector:
-            r.append(
-                "KV connectors / KV offloading are not supported by MOIRA: "
-                "externally loaded KV blocks carry no page summaries"
-            )
-        if use_dcp:
-            r.append(
-                "decode context parallelism (DCP) is not supported by MOIRA; "
-                "use decode_context_parallel_size=1"
-            )
-        if use_pcp:
-            r.append(
-                "prefill context parallelism (PCP) is not supported by MOIRA; "
-                "use prefill_context_parallel_size=1"
-            )
-        if use_adaptive_verification:
-            r.append("adaptive verification (speculative decoding) is not supported by MOIRA")
-        for flag, value in unknown_flags.items():
-            # A newer vLLM passed a feature flag this backend does not know:
-            # refuse it if set rather than ignore it.
-            if value:
-                r.append(f"{flag}={value!r} is not supported by MOIRA")
+        features = dict(
+            use_mla=use_mla, use_sparse=use_sparse, has_sink=has_sink,
+            use_mm_prefix=use_mm_prefix, use_per_head_quant_scales=use_per_head_quant_scales,
+            has_sliding_window=has_sliding_window, use_rswa=use_rswa,
+            use_non_causal=use_non_causal, use_batch_invariant=use_batch_invariant,
+            use_kv_connector=use_kv_connector, use_dcp=use_dcp, use_pcp=use_pcp,
+            use_adaptive_verification=use_adaptive_verification,
+            # A newer vLLM's feature flags that this backend does not know:
+            # refused if set rather than ignored.
+            **unknown_flags,
+        )  # fmt: skip
+        r.extend(_REFUSED_FEATURES.get(flag, f"{flag}={value!r} is not supported by MOIRA")
+                 for flag, value in features.items() if value)  # fmt: skip
         try:
             moira_config_from_env()
         except ValueError as e:
@@ -3672,15 +3367,10 @@ class MoiraImpl(FlashAttentionImpl):
         return kv_cache.view(torch.float8_e4m3fn), layer._k_scale, layer._v_scale
 
     def _flash_attention(
-        self,
-        layer: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: FlashAttentionMetadata,
+        self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """FlashAttentionImpl.forward on the rows that FA3 serves (prefill
         rows, dense steps). On an fp8 cache the bf16 query is quantized to
         e4m3 with the layer's q_scale first, and FA3 gets q_scale as its

@@ -423,16 +423,10 @@ def wide_pages(
 
 
 def refine_row_logmass(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table_row: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    logmass: torch.Tensor,
-    gamma: float,
-    estimator: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table_row: torch.Tensor, seq_len: int, scale: float, logmass: torch.Tensor,
+    gamma: float, estimator: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Stage 2 of Estimate under ``refine="wide"``: ``logmass [H_kv, G, n]`` (stage 1,
     :func:`estimate_row_logmass`) with the exact log-mass of every page that is both a
     :func:`refine_candidates` page of its KV head at ``gamma`` and a :func:`wide_pages`
