@@ -888,19 +888,9 @@ def write_page_summaries(
     writer = writer_launch((launch or {}).get("writer"))
     grid = (triton.cdiv(num_tokens, writer.window_tokens), kv_cache.shape[1])
     kernel_moira_write_summaries[grid](
-        kv_cache,
-        kernel_summaries,
-        scales,
-        slot_mapping,
-        k_scale_arg,
-        num_tokens,
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        summaries.stride(0),
-        summaries.stride(1),
-        scales.stride(0),
-        scales.stride(1),
+        kv_cache, kernel_summaries, scales, slot_mapping, k_scale_arg, num_tokens,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), summaries.stride(0),
+        summaries.stride(1), scales.stride(0), scales.stride(1),
         HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE, WINDOW_TOKENS=writer.window_tokens,
         NUM_TOP=num_top, INT8=int8, INT4=int4, KV_FP8=kv_fp8, num_warps=writer.num_warps,
         **_dependent_launch(launch),
@@ -1441,19 +1431,11 @@ def estimate_page_logmass(
     # The two exact-page programs (sink, current page), then the summary tiles.
     grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, est.tile_pages))
     kernel_moira_estimate[grid](
-        query,
-        kv_cache,
-        kernel_summaries,
-        scales,
-        block_table,
-        seq_lens,
-        logmass,
+        query, kv_cache, kernel_summaries, scales, block_table, seq_lens, logmass,
         # Unread when SKIP_DENSE_ROWS is False; any fp32 pointer will do.
         logmass if selector_params is None else selector_params,
         # Unwritten when RESET_KEPT_TOTAL is False.
-        seq_lens if kept_total is None else kept_total,
-        k_scale_arg,
-        scale,
+        seq_lens if kept_total is None else kept_total, k_scale_arg, scale,
         *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
         GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size),
         EST_ROWS=_estimate_rows(group_size, int8), HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE,
@@ -1835,27 +1817,15 @@ def select_pages(
     assert pibar.shape[-1] >= num_tiles * tile_pages
     select = select_launch(tile_pages, num_tiles, (launch or {}).get("select"))
     kernel_moira_select[(num_rows, num_kv_heads)](
-        logmass,
-        seq_lens,
-        pibar,
-        page_list,
-        list_lengths,
-        read_stats,
+        logmass, seq_lens, pibar, page_list, list_lengths, read_stats,
         # Unwritten when HAS_KEPT_TOTAL is False.
-        list_lengths if kept_total is None else kept_total,
-        selector_params,
+        list_lengths if kept_total is None else kept_total, selector_params,
         # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
         selector_params if row_gamma is None else row_gamma,
         # Unwritten when STORE_STATS is False.
         pibar if select_stats is None else select_stats,
-        logmass.stride(0),
-        logmass.stride(1),
-        logmass.stride(2),
-        pibar.stride(0),
-        pibar.stride(1),
-        page_list.stride(0),
-        page_list.stride(1),
-        list_lengths.stride(0),
+        logmass.stride(0), logmass.stride(1), logmass.stride(2), pibar.stride(0), pibar.stride(1),
+        page_list.stride(0), page_list.stride(1), list_lengths.stride(0),
         0 if select_stats is None else select_stats.stride(0),
         0 if select_stats is None else select_stats.stride(1),
         GROUP_SIZE=group_size, GROUP_ROWS=triton.next_power_of_2(group_size),
