@@ -9,10 +9,10 @@ coefficient of variation (CV = std / mean) around the mean; the list is the sink
 page, n - 2 random middle pages and the current page, sorted. Every arm reads
 exactly these lists (from one KV cache per shape, head-major, shuffled blocks):
 
-  moira       moira.attend (Attend + Merge; Estimate/Select excluded), with the
-              config's Attend schedule (MoiraConfig.attend_schedule)
-  moira_pages moira.attend with attend_schedule="pages": N_F blocks share the
-              step's pages evenly across lists (the other schedule, side by side)
+  moira       the paper's Attend + Merge (Alg. 2: J blocks per list;
+              benchmarks/paper_attend.py; Estimate/Select excluded)
+  moira_pages the backend's moira.attend: N_F blocks share the step's pages
+              evenly across lists (the other schedule, side by side)
   fa3_varlen  vLLM's FA3 flash_attn_varlen_func, every (row, KV head) its own
               sequence: Hq = G = 4 query heads, Hkv = 1, block table = the
               kept pages' (block, head) ids in a head-major cache viewed as
@@ -42,7 +42,6 @@ drawn from them (with replacement) and applied to each shape's page count.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -335,14 +334,16 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
     for i, pages in enumerate(lists):
         page_list[i // HKV, i % HKV, : len(pages)] = torch.from_numpy(pages).int()
     page_list = page_list.cuda()
-    page_count = torch.tensor(lengths, dtype=torch.int32).view(shape.batch, HKV).cuda()
+    list_lengths = torch.tensor(lengths, dtype=torch.int32).view(shape.batch, HKV).cuda()
     moira_out = torch.empty_like(shape.query)
 
     def moira_arm():
-        ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, args.moira_config,
-                                  "cuda")  # fmt: skip
-        fn = lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq, page_list,
-                                  page_count, moira_out, ws, scale)  # fmt: skip
+        from benchmarks.paper_attend import PaperAttend
+
+        paper = PaperAttend(shape.batch, HQ, HKV, D, args.fill_blocks, "cuda",
+                            min_chunk_pages=args.min_chunk_pages)  # fmt: skip
+        fn = lambda: paper(shape.query, shape.kv, shape.table, shape.seq, page_list,
+                           list_lengths, moira_out, scale)  # fmt: skip
         return timer(fn), {}
 
     pages_out = torch.empty_like(shape.query)
@@ -350,19 +351,15 @@ def run_shape(shape: Shape, cv, lengths, args, emit, timer) -> None:
     def moira_pages_arm():
         # us_per_layer: the tree's register cap; variants_us: every cap of
         # --pages-maxnreg as well (each its own compile).
-        config = dataclasses.replace(args.moira_config, attend_schedule="pages")
-        ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, config, "cuda")
-        fn = lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq, page_list,
-                                  page_count, pages_out, ws, scale)  # fmt: skip
-        tree_cap = moira.ATTEND_PAGES_LAUNCH["maxnreg"]
-        variants = {}
-        try:
-            for cap in args.pages_maxnreg:
-                moira.ATTEND_PAGES_LAUNCH["maxnreg"] = cap
-                variants[f"maxnreg={cap}"] = timer(fn)
-        finally:
-            moira.ATTEND_PAGES_LAUNCH["maxnreg"] = tree_cap
-        return timer(fn), variants
+        def attend_with(launch=None):
+            ws = moira.MoiraWorkspace(shape.batch, HQ, HKV, D, shape.n_pages, args.moira_config,
+                                      "cuda", launch=launch)  # fmt: skip
+            return lambda: moira.attend(shape.query, shape.kv, shape.table, shape.seq,
+                                        page_list, list_lengths, pages_out, ws, scale)  # fmt: skip
+
+        variants = {f"maxnreg={cap}": timer(attend_with({"attend": {"maxnreg": cap}}))
+                    for cap in args.pages_maxnreg}  # fmt: skip
+        return timer(attend_with()), variants
 
     # fa3_varlen: each (row, KV head) its own sequence over its exact list
     fa3_out = torch.empty_like(shape.q_flat)
@@ -467,13 +464,13 @@ def main() -> int:
         "--attend-fill-blocks",
         type=int,
         default=None,
-        help="Moira's N_F (MoiraConfig.attend_fill_blocks; default: the config's)",
+        help="Moira's N_F (MoiraConfig.attend_fill_blocks; default: the blocks the GPU holds)",
     )
     ap.add_argument(
         "--min-chunk-pages",
         type=int,
         default=None,
-        help="Moira's C (MoiraConfig.min_chunk_pages; default: the config's)",
+        help="the paper arm's C (default: the paper's 24)",
     )
     ap.add_argument(
         "--pages-maxnreg",
@@ -502,17 +499,18 @@ def main() -> int:
     from benchmarks.moira_correctness import graph_time_us
 
     timer = lambda fn: graph_time_us(fn, reps=args.reps, iters=args.iters)
-    split_changes = {
-        k: v
-        for k, v in (("attend_fill_blocks", args.attend_fill_blocks),
-                     ("min_chunk_pages", args.min_chunk_pages))
-        if v is not None
-    }  # fmt: skip
     from vllm.v1.attention.backends import moira
 
-    moira_config = moira.MoiraConfig.paper(**split_changes)
+    from benchmarks.paper_attend import PAPER_MIN_CHUNK_PAGES
+
+    fill_changes = {} if args.attend_fill_blocks is None else {
+        "attend_fill_blocks": args.attend_fill_blocks}  # fmt: skip
+    moira_config = moira.MoiraConfig.paper(**fill_changes)
     moira_config.validate()
     args.moira_config = moira_config
+    args.fill_blocks = moira.resolve_attend_fill_blocks(moira_config, "cuda")
+    if args.min_chunk_pages is None:
+        args.min_chunk_pages = PAPER_MIN_CHUNK_PAGES
     cvs = [parse_cv(c) for c in args.cvs.split(",") if c.strip()]
     record: dict = {
         "command": "python " + " ".join(sys.argv),
@@ -521,13 +519,10 @@ def main() -> int:
         "geometry": {"q_heads": HQ, "kv_heads": HKV, "head_size": D, "page": PAGE},
         "mean_fraction": args.mean_fraction,
         "moira_split_constants": {
-            "min_chunk_pages": moira_config.min_chunk_pages,
-            "min_splits_per_row": moira_config.min_splits_per_row,
-            "min_splits_total": moira_config.min_splits_total,
+            "min_chunk_pages": args.min_chunk_pages,
             "attend_fill_blocks": moira_config.attend_fill_blocks,
-            "attend_fill_blocks_resolved": moira.resolve_attend_fill_blocks(moira_config, "cuda"),
-            "attend_schedule": moira_config.attend_schedule,
-            "attend_pages_maxnreg": moira.ATTEND_PAGES_LAUNCH["maxnreg"],
+            "attend_fill_blocks_resolved": args.fill_blocks,
+            "attend_pages_maxnreg": moira.attend_launch(kv_fp8=False).maxnreg,
         },
         "notes": [
             "FlashInfer is not installed on this host: no flashinfer rows.",

@@ -723,7 +723,6 @@ def base_row(ctx, context, batch, arm) -> dict:
         "selector": arm["selector"], "gamma": arm["gamma"],
         "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
         "p10_ms": None, "p90_ms": None,
-        **({"attend_launch": ctx["attend_launch"]} if ctx.get("attend_launch") else {}),
         # The engine's estimator, summary dtype and refinement: MOIRA engines that differ
         # only in them merge apart, and the rows of the shipped defaults say "default".
         **({k: ctx[k] for k in ENGINE_FIELDS if ctx.get(k)} if arm["arm"] == "moira" else {}),
@@ -731,29 +730,6 @@ def base_row(ctx, context, batch, arm) -> dict:
            and arm["selector"] == "coverage" and arm["gamma"] == ctx.get("default_gamma")
            else {}),
     }  # fmt: skip
-
-
-def parse_attend_launch(ap, a) -> dict | None:
-    """--attend-launch: validated against ATTEND_LAUNCH's keys and applied to the backend
-    module before the engine starts (the engine runs in this process, and the kernels read
-    ATTEND_LAUNCH at launch, so CUDA graphs capture the candidate)."""
-    if a.attend_launch is None:
-        return None
-    if a.backend != "MOIRA" or a.tensor_parallel_size != 1:
-        ap.error("--attend-launch needs --backend MOIRA and --tensor-parallel-size 1")
-    try:
-        changes = json.loads(a.attend_launch)
-    except json.JSONDecodeError as exc:
-        ap.error(f"--attend-launch must be a JSON object: {exc}")
-    from vllm.v1.attention.backends import moira
-
-    if not isinstance(changes, dict) or not set(changes) <= set(moira.ATTEND_LAUNCH):
-        ap.error(f"--attend-launch: a JSON object with keys from {sorted(moira.ATTEND_LAUNCH)}")
-    tile = changes.get("tile_pages", moira.ATTEND_LAUNCH["tile_pages"])
-    if tile not in moira.ATTEND_TILE_PAGES:
-        ap.error(f"--attend-launch: tile_pages must be one of {moira.ATTEND_TILE_PAGES}")
-    moira.ATTEND_LAUNCH.update(changes)
-    return changes
 
 
 def main() -> int:
@@ -802,14 +778,6 @@ def main() -> int:
         "(MOIRA at gamma=1), compared with FLASH_ATTN by --merge",
     )
     ap.add_argument("--greedy-tokens", type=int, default=64)
-    ap.add_argument(
-        "--attend-launch",
-        default=None,
-        metavar="JSON",
-        help="MOIRA: ATTEND_LAUNCH changes for this engine, e.g. '{\"tile_pages\": 2}' "
-        "(a candidate of moira_correctness.py --sweep-attend, timed end to end; in-process "
-        "engine, so --tensor-parallel-size 1); rows carry it as attend_launch",
-    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", nargs="+", help="join result JSONs into --out (no GPU)")
     a = ap.parse_args()
@@ -854,7 +822,6 @@ def main() -> int:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.pop("VLLM_ATTENTION_BACKEND", None)
-    attend_launch = parse_attend_launch(ap, a)
     import numpy as np
     import torch
     from vllm import LLM
@@ -896,7 +863,6 @@ def main() -> int:
         "kv_cache_dtype": a.kv_cache_dtype,
         "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
         "moira_config": _moira_config_record() if a.backend == "MOIRA" else None,
-        "attend_launch": attend_launch,
         "notes": [],
         "rows": [],
         "breakdown": [],
@@ -928,7 +894,6 @@ def main() -> int:
             record["notes"].append(selector.note)
             print("WARNING:", selector.note, flush=True)
     ctx = {"model": model_name, "kv_cache_dtype": a.kv_cache_dtype,
-           "attend_launch": attend_launch,
            **engine_fields(record["moira_config"]),
            "vocab": int(cfg["vocab_size"]), "num_layers":
            int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,

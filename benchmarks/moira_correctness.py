@@ -23,7 +23,7 @@ calibration gives them). FA3 runs on the same fp8 cache with its query in e4m3
 (q_scale 1, vLLM's default) and the scales as descales; the float32 reference
 reads the dequantized cache with the bf16 query, as Moira does.
 
-Page-mass estimators (--estimators mvar,mvar_rem,mvar_top4): per
+Page-mass estimators (--estimators mvar,int8:mvar_top8): per
 estimator and shape, summaries written by the kernel writer of that estimator
 (checked against the reference on a few pages), Estimate checked against the
 reference on a few rows and Select's lists against the reference lists, and
@@ -31,7 +31,7 @@ reference on a few rows and Select's lists against the reference lists, and
 
     python benchmarks/moira_correctness.py --json benchmarks/results/correctness_h200.json \
         --timing-json benchmarks/results/kernel_timing_h200.json
-    python benchmarks/moira_correctness.py --estimators mvar,mvar_rem,mvar_top4 \
+    python benchmarks/moira_correctness.py --estimators mvar,int8:mvar_top8 \
         --only-estimators --json benchmarks/results/estimator_kernels_h200.json \
         --timing-json benchmarks/results/estimator_timing_h200.json
     python benchmarks/moira_correctness.py --kv-cache-dtype fp8 \
@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllm.v1.attention.backends import moira  # noqa: E402
 
+from benchmarks.paper_attend import PaperAttend  # noqa: E402
 from tests.v1.attention.moira_test_utils import (  # noqa: E402
     PAGE,
     make_block_table,
@@ -65,6 +66,20 @@ from tests.v1.attention.moira_test_utils import (  # noqa: E402
 from vllm_moira.v1.attention.ops import moira_reference as ref  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+#: Launch overrides by kernel (moira.check_launch_overrides) that every workspace and
+#: launch of this run uses: --estimate-launch, or a GPU test's candidate
+#: (tests/v1/attention/moira_test_utils.py). Sweeps add their candidate on top.
+LAUNCH: dict[str, dict] = {}
+
+
+def with_launch(**changes: dict) -> dict[str, dict]:
+    """LAUNCH with ``changes`` (overrides by kernel) merged into it, kernel by kernel."""
+    merged = {kernel: dict(values) for kernel, values in LAUNCH.items()}
+    for kernel, values in changes.items():
+        merged[kernel] = {**merged.get(kernel, {}), **values}
+    return merged
+
+
 SCALE = D**-0.5
 
 
@@ -124,7 +139,7 @@ def reference_cache(case):
 
 
 def split_summary_dtype(name):
-    """``"int8:mvar_top4"`` -> ``("mvar_top4", "int8")``; a plain estimator -> bf16. A
+    """``"int8:mvar_top8"`` -> ``("mvar_top8", "int8")``; a plain estimator -> bf16. A
     ``+wide`` suffix (``refine_of``) is not part of the summaries' name."""
     estimator, storage = ref.parse_stored_estimator(name.removesuffix("+wide"))
     return estimator, storage or "bfloat16"
@@ -142,7 +157,7 @@ def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
     dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
     summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda", dtype=dtype)
     all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
-    moira.write_page_summaries(kv, summaries, all_last_slots, k_scale)
+    moira.write_page_summaries(kv, summaries, all_last_slots, k_scale, launch=LAUNCH)
     return summaries
 
 
@@ -157,9 +172,11 @@ def estimator_case(case, name):
     return dict(case, summaries=summaries, estimator=summary_name)
 
 
-def workspace(case, config):
+def workspace(case, config, launch=None):
+    """A workspace for ``case`` under ``config``, with LAUNCH or ``launch``'s overrides."""
+    launch = LAUNCH if launch is None else launch
     return moira.MoiraWorkspace(case["query"].shape[0], HQ, HKV, D, case["max_pages"],
-                                config, "cuda")  # fmt: skip
+                                config, "cuda", launch=launch)  # fmt: skip
 
 
 def run_moira(case, config, ws=None):
@@ -229,7 +246,7 @@ def check_gamma_one(case, config=None):
     assert config.gamma == 1.0 and config.selector == "coverage"
     out, ws = run_moira(case, config)
     batch = out.shape[0]
-    counts = ws.page_count[:batch].cpu()
+    counts = ws.list_lengths[:batch].cpu()
     pages = torch.tensor([math.ceil(s / PAGE) for s in case["seq_lens"]])
     fa3 = fa3_decode(case)
     rows = [0, batch - 1]
@@ -282,13 +299,13 @@ def check_graph_replay(case, gamma=0.98, config=None):
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-        lists_replayed = ws.page_list.clone(), ws.page_count.clone()
+        lists_replayed = ws.page_list.clone(), ws.list_lengths.clone()
         out.fill_(float("nan"))
         step()
         torch.cuda.synchronize()
         results[name] = {
             "bitwise_equal": bool(torch.equal(replayed, out)),
-            "lists_equal": bool(torch.equal(lists_replayed[1], ws.page_count)
+            "lists_equal": bool(torch.equal(lists_replayed[1], ws.list_lengths)
                                 and torch.equal(lists_replayed[0], ws.page_list)),
         }  # fmt: skip
     case["seq"].copy_(original_seq)
@@ -297,56 +314,44 @@ def check_graph_replay(case, gamma=0.98, config=None):
 
 
 def check_dependent_launches(case, config=None):
-    """Dependent launches (moira.DECODE_LAUNCH["pdl"]) change when blocks are
+    """Dependent launches (the "step" launch override pdl) change when blocks are
     scheduled, never what they compute. Two steps of different lengths on one
     workspace, back to back (so that each kernel's blocks may start while the
     previous kernel, of the same or the previous step, still runs), eager and
     replayed from one graph, equal the same steps launched plainly, bit for
     bit, lists included."""
     config = config or moira.MoiraConfig.paper(gamma=0.98)
-    ws = workspace(case, config)
     seqs = (case["seq"], (case["seq"] // 3).clamp_min(1))
     gen = torch.Generator().manual_seed(5)
     queries = (case["query"], torch.randn(case["query"].shape, generator=gen).to("cuda",
                torch.bfloat16))  # fmt: skip
     outs = tuple(torch.empty_like(case["query"]) for _ in seqs)
 
-    def two_steps():
+    def two_steps(ws):
         for seq, query, out in zip(seqs, queries, outs):
             moira.moira_decode(query, case["kv"], case["summaries"], case["table"], seq, out,
                                ws, SCALE, **case["scales"])  # fmt: skip
 
-    def run(replay):
+    def run(ws, replay=None):
         for out in outs:
             out.fill_(float("nan"))
         if replay:
             replay.replay()
         else:
-            two_steps()
+            two_steps(ws)
         torch.cuda.synchronize()
-        return [o.clone() for o in outs] + [ws.page_list.clone(), ws.page_count.clone()]
+        return [o.clone() for o in outs] + [ws.page_list.clone(), ws.list_lengths.clone()]
 
-    default_launch = dict(moira.DECODE_LAUNCH)
-    try:
-        moira.DECODE_LAUNCH["pdl"] = False
-        plain = run(None)
-        result = {}
-        for early in (False, True):
-            moira.DECODE_LAUNCH.update(pdl=True, early_trigger=early)
-            result["dependent_launch_on"] = bool(moira._dependent_launch())
-            eager = run(None)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                two_steps()
-            replayed = run(graph)
-            trigger = "early_trigger" if early else "exit_trigger"
-            result[f"{trigger}_eager_equal_bits"] = all(map(torch.equal, plain, eager))
-            result[f"{trigger}_graph_equal_bits"] = all(map(torch.equal, plain, replayed))
-    finally:
-        moira.DECODE_LAUNCH.clear()
-        moira.DECODE_LAUNCH.update(default_launch)
-    result["eager_equal_bits"] = all(v for k, v in result.items() if k.endswith("eager_equal_bits"))
-    result["graph_equal_bits"] = all(v for k, v in result.items() if k.endswith("graph_equal_bits"))
+    plain = run(workspace(case, config, with_launch(step={"pdl": False})))
+    ws = workspace(case, config, with_launch(step={"pdl": True}))
+    result = {"dependent_launch_on": bool(moira._dependent_launch(ws.launch))}
+    eager = run(ws)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        two_steps(ws)
+    replayed = run(ws, graph)
+    result["eager_equal_bits"] = all(map(torch.equal, plain, eager))
+    result["graph_equal_bits"] = all(map(torch.equal, plain, replayed))
     return result
 
 
@@ -390,7 +395,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
-    page_list, page_count = ws.page_list[:batch].cpu(), ws.page_count[:batch].cpu()
+    page_list, list_lengths = ws.page_list[:batch].cpu(), ws.list_lengths[:batch].cpu()
     rows_checked = rows_equal = rows_near_tie = 0
     kept, total = 0, 0
     lists = []
@@ -400,13 +405,13 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         row_lists = []
         for h in range(HKV):
             expected = ref.select_pages(pibar[h], gamma=gamma)
-            got = page_list[row, h, : int(page_count[row, h])]
+            got = page_list[row, h, : int(list_lengths[row, h])]
             rows_checked += 1
             if got.tolist() == expected.tolist():
                 rows_equal += 1
             else:
                 rows_near_tie += int(is_near_tie(got, pibar[h], gamma))
-            kept += int(page_count[row, h])
+            kept += int(list_lengths[row, h])
             total += n
             row_lists.append(got)
         lists.append(row_lists)
@@ -513,7 +518,7 @@ def check_estimator_summaries(case, name, num_pages=64):
 
 def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     """Estimate / Select / Estimate+Select / summary write of one estimator;
-    ``sweep_launch``: also Estimate under every ESTIMATE_LAUNCH candidate, each
+    ``sweep_launch``: also Estimate under every ESTIMATE_SWEEP candidate, each
     checked against the default's log-masses."""
     estimator, summary_dtype = split_summary_dtype(name)
     refine = refine_of(name)
@@ -531,31 +536,31 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     if refine == "wide":
         row["refined_fraction"] = refined_fraction(case, ws, estimator, k_scale)
     row["estimate_us"] = graph_time_us(
-        lambda: moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+        lambda: moira.estimate_page_logmass(
+            *args, ws.logmass, SCALE, estimator, k_scale=k_scale, launch=ws.launch
+        )
     )
     row["select_us"] = graph_time_us(
         lambda: moira.select_pages(
-            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
-            batch, case["max_pages"], ws.read_stats)
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths, ws.selector_params,
+            batch, case["max_pages"], ws.read_stats, launch=ws.launch)
     )  # fmt: skip
     if sweep_launch:
 
-        def estimate():
-            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+        def estimate(launch):
+            moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale,
+                                        launch=launch)  # fmt: skip
+
+        def select(launch):
+            moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths,
+                               ws.selector_params, batch, case["max_pages"], ws.read_stats,
+                               launch=launch)  # fmt: skip
 
         row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
         if refine == "wide":
-            row["refine_sweep"] = sweep_refine_launch(
-                ws, lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale), batch
-            )
-        estimate()
-        row["select_sweep"] = sweep_select_launch(
-            ws,
-            lambda: moira.select_pages(
-                ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
-                ws.selector_params, batch, case["max_pages"], ws.read_stats),
-            batch,
-        )  # fmt: skip
+            row["refine_sweep"] = sweep_refine_launch(case, config)
+        estimate(ws.launch)
+        row["select_sweep"] = sweep_select_launch(ws, select, batch)
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
     # Bytes Estimate reads per (page, KV head): the slot vectors (and, for int8 and int4
     # keys, the slots' fp32 scales; int4: two keys per row of D bytes).
@@ -570,7 +575,9 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     summaries = case["summaries"]
     slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
     row["write_all_blocks_us"] = graph_time_us(
-        lambda: moira.write_page_summaries(case["kv"], summaries, slots, k_scale), reps=3, iters=5
+        lambda: moira.write_page_summaries(case["kv"], summaries, slots, k_scale, launch=LAUNCH),
+        reps=3,
+        iters=5,
     )
     row["blocks"] = int(summaries.shape[0])
     return row
@@ -580,7 +587,9 @@ def refined_fraction(case, ws, estimator, k_scale):
     """Share of the middle pages whose log-mass refine="wide" replaced in one step:
     Estimate's log-masses against those after estimate_and_select (outside the timed graph)."""
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    moira.estimate_page_logmass(*args, ws.logmass, SCALE, estimator, k_scale=k_scale)
+    moira.estimate_page_logmass(
+        *args, ws.logmass, SCALE, estimator, k_scale=k_scale, launch=ws.launch
+    )
     before = ws.logmass.clone()
     moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
     changed = middle = 0
@@ -642,24 +651,19 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
 
 
 # Estimate launch candidates: key pipeline depths at the default tile, other
-# tiles at the default depth, the int8 slots in bf16 by integer arithmetic
-# instead of fp16 by byte permutes, and other register caps.
+# tiles at the default depth, and other register caps.
 ESTIMATE_SWEEP = [
     *({"key_stages": s} for s in (1, 2, 3, 4)),
     *({"tile_pages": t, "num_warps": w}
       for t, w in ((16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
-    {"int8_convert": "bf16"},
     *({"maxnreg": r} for r in (None, 112, 96)),
 ]  # fmt: skip
 
 
 # Select launch candidates: (thresholds per bisection pass, warps).
 SELECT_SWEEP = [(lanes, warps) for lanes in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
-# Attend candidates, each timed under both schedules: launch changes (num_warps,
-# num_stages and tile_pages of ATTEND_LAUNCH; maxnreg of the schedule's own launch dict)
-# and MoiraConfig split constants (min_chunk_pages C, used by `lists` only;
-# attend_fill_blocks N_F); {} = the default. tile_pages > 1 (several pages per K/V
-# tile) is for fp8 pages, half a bf16 page's bytes per iteration.
+# Attend candidates: launch changes (moira.attend_launch's num_warps, num_stages,
+# maxnreg) and N_F (MoiraConfig.attend_fill_blocks); {} = the default.
 ATTEND_SWEEP = [
     {},
     {"num_stages": 2},
@@ -669,100 +673,68 @@ ATTEND_SWEEP = [
     {"num_warps": 8, "num_stages": 4},
     {"maxnreg": 128},
     {"maxnreg": None},
-    *({"min_chunk_pages": c} for c in (8, 12, 16, 32)),
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
-    {"min_chunk_pages": 12, "attend_fill_blocks": 792},
-    {"min_chunk_pages": 12, "maxnreg": 128},
-    {"tile_pages": 2},
-    {"tile_pages": 2, "num_stages": 2},
-    {"tile_pages": 2, "num_stages": 4},
-    {"tile_pages": 2, "num_stages": 5},
-    {"tile_pages": 2, "num_warps": 8},
-    {"tile_pages": 2, "maxnreg": None},
-    {"tile_pages": 4},
-    {"tile_pages": 4, "num_stages": 2},
-    {"tile_pages": 4, "num_warps": 8},
 ]
-#: REFINE_LAUNCH candidates, timed as Estimate + Select with refine="wide" (the
-#: estimators named "...+wide" under --sweep-estimate-select); each must give the
-#: default's lists. pipeline_stages 0: the serial loop.
+#: Refine launch candidates (moira.refine_launch), timed as Estimate + Select with
+#: refine="wide" (the estimators named "...+wide" under --sweep-estimate-select); each
+#: must give the default's lists.
 REFINE_SWEEP = [
     {"tile_pages": 64},
-    {"tile_pages": 64, "pipeline_stages": 0},
     {"tile_pages": 32},
-    {"pipeline_stages": 0},
     {"pipeline_stages": 2},
     {"num_warps": 2},
     {"num_warps": 8},
     {"step_programs": 1024},
     {"step_programs": 16384},
 ]
-#: ATTEND_SWEEP keys that change ATTEND_LAUNCH (both schedules' kernels).
-ATTEND_SHARED_LAUNCH_KEYS = ("num_warps", "num_stages", "tile_pages")
-ATTEND_SCHEDULE_LAUNCH = {"lists": "ATTEND_LAUNCH", "pages": "ATTEND_PAGES_LAUNCH"}
-
-
-def split_attend_changes(changes: dict, schedule: str) -> tuple[dict, dict, dict] | None:
-    """One ATTEND_SWEEP entry under ``schedule``: (ATTEND_LAUNCH changes, changes of the
-    schedule's own launch dict ``ATTEND_SCHEDULE_LAUNCH[schedule]``, which for `lists` is
-    ATTEND_LAUNCH itself, MoiraConfig changes), or None where the entry does not
-    apply (min_chunk_pages under `pages`, which splits by blocks, not chunks)."""
-    if schedule not in ATTEND_SCHEDULE_LAUNCH:
-        raise ValueError(f"schedule must be one of {sorted(ATTEND_SCHEDULE_LAUNCH)}")
-    if schedule == "pages" and "min_chunk_pages" in changes:
-        return None
-    launch = {k: v for k, v in changes.items() if k in ATTEND_SHARED_LAUNCH_KEYS}
-    own = {k: v for k, v in changes.items() if k == "maxnreg"}
-    config = {k: v for k, v in changes.items()
-              if k not in ATTEND_SHARED_LAUNCH_KEYS and k != "maxnreg"}  # fmt: skip
-    return launch, own, config
+#: ATTEND_SWEEP keys that change Attend's launch; the others change MoiraConfig.
+ATTEND_LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")
 
 
 def sweep_estimate_launch(case, estimate, ws):
-    """Time ``estimate`` under each ESTIMATE_SWEEP change of ESTIMATE_LAUNCH;
-    each result is compared with the default configuration's log-masses."""
+    """Time ``estimate(launch)`` under each ESTIMATE_SWEEP change of Estimate's launch;
+    each result is compared with the default launch's log-masses (in ``ws``)."""
     batch = case["query"].shape[0]
+    num_top = moira.estimator_num_top(ws.config.estimator)
+    int8 = ws.config.summary_dtype != "bfloat16"
     rows = []
-    default_estimate = dict(moira.ESTIMATE_LAUNCH)
-    estimate()
+    estimate(ws.launch)
     reference_logmass = ws.logmass[:batch].clone()
     for change in ESTIMATE_SWEEP:
-        moira.ESTIMATE_LAUNCH.update(default_estimate)
-        moira.ESTIMATE_LAUNCH.update(change)
-        launch = dict(moira.ESTIMATE_LAUNCH)
+        launch = with_launch(estimate=change)
         ws.logmass[:batch].fill_(float("nan"))
-        estimate()
+        estimate(launch)
         same = all(
             torch.allclose(ws.logmass[row, ..., : math.ceil(n / PAGE)],
                            reference_logmass[row, ..., : math.ceil(n / PAGE)],
                            rtol=1e-5, atol=1e-4)
             for row, n in enumerate(case["seq_lens"])
         )  # fmt: skip
-        us = graph_time_us(estimate)
-        rows.append({**launch, "us": us, "matches_default": same})
-        print("estimate", launch, f"{us:.2f} us", same, flush=True)
-    moira.ESTIMATE_LAUNCH.clear()
-    moira.ESTIMATE_LAUNCH.update(default_estimate)
+        us = graph_time_us(lambda launch=launch: estimate(launch))
+        resolved = moira.estimate_launch(num_top, int8, launch["estimate"])._asdict()
+        rows.append({**resolved, "us": us, "matches_default": same})
+        print("estimate", resolved, f"{us:.2f} us", same, flush=True)
     return rows
 
 
 def sweep_estimate_and_select(case, ws):
-    """Time Estimate and Select launch configurations (ESTIMATE_LAUNCH,
-    SELECT_LAUNCH) on this case; every Select configuration must give the same
-    page lists and counts as the default (checked, not assumed)."""
+    """Time Estimate and Select launch configurations on this case; every Select
+    configuration must give the same page lists and counts as the default (checked,
+    not assumed)."""
     batch = case["query"].shape[0]
 
-    def estimate():
+    def estimate(launch):
         moira.estimate_page_logmass(case["query"], case["kv"], case["summaries"], case["table"],
-                                    case["seq"], ws.logmass, SCALE,
-                                    ws.config.estimator, k_scale=k_scale_of(case))  # fmt: skip
+                                    case["seq"], ws.logmass, SCALE, ws.config.estimator,
+                                    k_scale=k_scale_of(case), launch=launch)  # fmt: skip
 
-    def select():
-        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
-                           ws.selector_params, batch, case["max_pages"], ws.read_stats)  # fmt: skip
+    def select(launch):
+        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths,
+                           ws.selector_params, batch, case["max_pages"], ws.read_stats,
+                           launch=launch)  # fmt: skip
 
     out = {"estimate_sweep": sweep_estimate_launch(case, estimate, ws)}
-    estimate()
+    estimate(ws.launch)
     out["select_sweep"] = sweep_select_launch(ws, select, batch)
     return out
 
@@ -772,9 +744,9 @@ def _same_lists_after(run, ws, batch, reference) -> bool:
     rows ``[:batch]``, and their lists up to the longest, equal ``reference`` =
     (lists, counts); the counts are poisoned first, so a run that writes nothing
     does not pass."""
-    ws.page_count[:batch].fill_(-1)
+    ws.list_lengths[:batch].fill_(-1)
     run()
-    counts = ws.page_count[:batch]
+    counts = ws.list_lengths[:batch]
     if not torch.equal(counts, reference[1]):
         return False
     width = int(counts.max())
@@ -782,51 +754,49 @@ def _same_lists_after(run, ws, batch, reference) -> bool:
 
 
 def sweep_select_launch(ws, select, batch):
-    """Time Select under each SELECT_LAUNCH candidate on the log-masses in
-    ``ws``; each must give the default's page lists and counts."""
+    """Time ``select(launch)`` under each SELECT_SWEEP candidate on the log-masses in
+    ``ws``; each must give the default launch's page lists and counts."""
     rows = []
-    default_select = dict(moira.SELECT_LAUNCH)
-    select()
-    reference_lists = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
+    select(ws.launch)
+    reference_lists = (ws.page_list[:batch].clone(), ws.list_lengths[:batch].clone())
     for lanes, warps in SELECT_SWEEP:
-        moira.SELECT_LAUNCH.update(long_lanes=lanes, long_num_warps=warps)
-        same = _same_lists_after(select, ws, batch, reference_lists)
-        us = graph_time_us(select)
+        launch = with_launch(select={"long_lanes": lanes, "long_num_warps": warps})
+        same = _same_lists_after(lambda launch=launch: select(launch), ws, batch, reference_lists)
+        us = graph_time_us(lambda launch=launch: select(launch))
         rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
                      "same_lists": same})  # fmt: skip
         print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
-    moira.SELECT_LAUNCH.clear()
-    moira.SELECT_LAUNCH.update(default_select)
     return rows
 
 
-def sweep_refine_launch(ws, estimate_and_select, batch):
-    """Time Estimate + Select (refine="wide") under each REFINE_SWEEP change of
-    REFINE_LAUNCH; each must give the default's page lists and counts."""
+def sweep_refine_launch(case, config):
+    """Time Estimate + Select (``config``, refine="wide") under each REFINE_SWEEP change
+    of the refine kernel's launch, each on a workspace of its own; each must give the
+    default launch's page lists and counts."""
+    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
+    batch = case["query"].shape[0]
+    ws = workspace(case, config)
+    moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
+    reference = (ws.page_list[:batch].clone(), ws.list_lengths[:batch].clone())
     rows = []
-    default_refine = dict(moira.REFINE_LAUNCH)
-    estimate_and_select()
-    reference = (ws.page_list[:batch].clone(), ws.page_count[:batch].clone())
-    try:
-        for change in REFINE_SWEEP:
-            moira.REFINE_LAUNCH.update(default_refine)
-            moira.REFINE_LAUNCH.update(change)
-            same = _same_lists_after(estimate_and_select, ws, batch, reference)
-            us = graph_time_us(estimate_and_select)
-            launch = dict(moira.REFINE_LAUNCH)
-            rows.append({**launch, "us": us, "same_lists": same})
-            print("refine", launch, f"{us:.2f} us", same, flush=True)
-    finally:
-        moira.REFINE_LAUNCH.clear()
-        moira.REFINE_LAUNCH.update(default_refine)
+    for change in REFINE_SWEEP:
+        ws_c = workspace(case, config, with_launch(refine=change))
+
+        def run(ws_c=ws_c):
+            moira.estimate_and_select(*args, ws_c, SCALE, k_scale=k_scale_of(case))
+
+        same = _same_lists_after(run, ws_c, batch, reference)
+        us = graph_time_us(run)
+        resolved = moira.refine_launch(ws_c.launch.get("refine"))._asdict()
+        rows.append({**resolved, "us": us, "same_lists": same})
+        print("refine", resolved, f"{us:.2f} us", same, flush=True)
     return rows
 
 
-#: Dependent-launch settings that --step-launches times (moira.DECODE_LAUNCH).
+#: Dependent-launch settings ("step" launch overrides) that --step-launches times.
 STEP_LAUNCH_VARIANTS = {
     "no_pdl": {"pdl": False},
-    "pdl": {"pdl": True, "early_trigger": False},
-    "pdl_early": {"pdl": True, "early_trigger": True},
+    "pdl": {"pdl": True},
 }
 
 
@@ -849,87 +819,58 @@ def time_step_launches(case, kept_fraction=0.22, fill_blocks=()):
         "dense_rows": moira.MoiraConfig.paper(dense_batch_tokens=case["max_pages"] * PAGE * batch),
     }
     rows = {}
-    default_launch = dict(moira.DECODE_LAUNCH)
-    try:
-        outputs = {}
-        for variant, launch in STEP_LAUNCH_VARIANTS.items():
-            moira.DECODE_LAUNCH.update(launch)
-            for name, config in configs.items():
-                ws = workspace(case, config)
-                out = torch.full_like(case["query"], float("nan"))
-                rows[f"step_{name}_{variant}_us"] = graph_time_us(
-                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE,
-                                                              **case["scales"])
-                )  # fmt: skip
-                if name in outputs:
-                    rows[f"step_{name}_{variant}_equal_bits"] = bool(
-                        torch.equal(out, outputs[name])
-                    )
-                else:
-                    outputs[name] = out
-            ws = workspace(case, configs["coverage"])
-            rows[f"estimate_select_{variant}_us"] = graph_time_us(
-                lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
+    outputs = {}
+    for variant, step in STEP_LAUNCH_VARIANTS.items():
+        launch = with_launch(step=step)
+        for name, config in configs.items():
+            ws = workspace(case, config, launch)
+            out = torch.full_like(case["query"], float("nan"))
+            rows[f"step_{name}_{variant}_us"] = graph_time_us(
+                lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE, **case["scales"])
             )
-            moira.DECODE_LAUNCH.clear()
-            moira.DECODE_LAUNCH.update(default_launch)
-        for fill in fill_blocks:
-            for name in ("dense_rows", "fixed"):
-                config = dataclasses.replace(configs[name], attend_fill_blocks=fill)
-                ws = workspace(case, config)
-                out = torch.full_like(case["query"], float("nan"))
-                rows[f"step_{name}_fill{fill}_us"] = graph_time_us(
-                    lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE,
-                                                              **case["scales"])
-                )  # fmt: skip
-    finally:
-        moira.DECODE_LAUNCH.clear()
-        moira.DECODE_LAUNCH.update(default_launch)
+            if name in outputs:
+                rows[f"step_{name}_{variant}_equal_bits"] = bool(torch.equal(out, outputs[name]))
+            else:
+                outputs[name] = out
+        ws = workspace(case, configs["coverage"], launch)
+        rows[f"estimate_select_{variant}_us"] = graph_time_us(
+            lambda ws=ws: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
+        )
+    for fill in fill_blocks:
+        for name in ("dense_rows", "fixed"):
+            ws = workspace(case, dataclasses.replace(configs[name], attend_fill_blocks=fill))
+            out = torch.full_like(case["query"], float("nan"))
+            rows[f"step_{name}_fill{fill}_us"] = graph_time_us(
+                lambda ws=ws, out=out: moira.moira_decode(*args, out, ws, SCALE, **case["scales"])
+            )
     return rows
 
 
-def sweep_attend_launch(case, out, ws_lists, ws_pages, scales) -> list[dict]:
-    """Attend + Merge µs of every ATTEND_SWEEP entry under each schedule, on the lists
-    already in ``ws_lists`` / ``ws_pages`` (the same pages), with the largest difference
-    from the schedule's default output (same pages, another summation order: within bf16
-    rounding)."""
-    defaults = {
-        name: dict(getattr(moira, name)) for name in ("ATTEND_LAUNCH", "ATTEND_PAGES_LAUNCH")
-    }
+def sweep_attend_launch(case, out, ws, scales) -> list[dict]:
+    """Attend + Merge µs of every ATTEND_SWEEP entry on the lists already in ``ws``,
+    each on a workspace of its own, with the largest difference from the default's
+    output (same pages, another summation order: within bf16 rounding)."""
     rows = []
-    for schedule, ws in (("lists", ws_lists), ("pages", ws_pages)):
-        own_name = ATTEND_SCHEDULE_LAUNCH[schedule]
-        reference = None
-        # The default first: the reference every candidate's output is compared with.
-        for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
-            split = split_attend_changes(changes, schedule)
-            if split is None:
-                continue
-            launch, own, config_changes = split
-            moira.ATTEND_LAUNCH.update(launch)
-            getattr(moira, own_name).update(own)
-            ws_c = ws
-            if config_changes:
-                ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes))
-                ws_c.page_list.copy_(ws.page_list)
-                ws_c.page_count.copy_(ws.page_count)
-            candidate = torch.full_like(out, float("nan"))
-            try:
-                us = graph_time_us(
-                    lambda ws_c=ws_c, candidate=candidate: moira.attend(
-                        case["query"], case["kv"], case["table"], case["seq"],
-                        ws_c.page_list, ws_c.page_count, candidate, ws_c, SCALE, **scales)
-                )  # fmt: skip
-            finally:
-                for name, default in defaults.items():
-                    getattr(moira, name).clear()
-                    getattr(moira, name).update(default)
-            if reference is None:
-                reference = candidate.clone()
-            diff = (candidate.float() - reference.float()).abs().max().item()
-            entry = {"schedule": schedule, **changes}
-            rows.append({**entry, "us": us, "max_abs_diff_vs_default": diff})
-            print("attend", entry, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
+    reference = None
+    # The default first: the reference every candidate's output is compared with.
+    for changes in [{}, *(c for c in ATTEND_SWEEP if c)]:
+        launch = {k: v for k, v in changes.items() if k in ATTEND_LAUNCH_KEYS}
+        config_changes = {k: v for k, v in changes.items() if k not in ATTEND_LAUNCH_KEYS}
+        ws_c = workspace(case, dataclasses.replace(ws.config, **config_changes),
+                         with_launch(attend=launch))  # fmt: skip
+        ws_c.page_list.copy_(ws.page_list)
+        ws_c.list_lengths.copy_(ws.list_lengths)
+        candidate = torch.full_like(out, float("nan"))
+        us = graph_time_us(
+            lambda ws_c=ws_c, candidate=candidate: moira.attend(
+                case["query"], case["kv"], case["table"], case["seq"],
+                ws_c.page_list, ws_c.list_lengths, candidate, ws_c, SCALE, **scales)
+        )  # fmt: skip
+        if reference is None:
+            reference = candidate.clone()
+        diff = (candidate.float() - reference.float()).abs().max().item()
+        rows.append({**changes, "us": us, "max_abs_diff_vs_default": diff})
+        print("attend", changes, f"{us:.2f} us", f"diff {diff:.2e}", flush=True)
     return rows
 
 
@@ -952,8 +893,8 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     )  # fmt: skip
     rows["select_us"] = graph_time_us(
         lambda: moira.select_pages(
-            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.selector_params,
-            batch, case["max_pages"], ws.read_stats)
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths, ws.selector_params,
+            batch, case["max_pages"], ws.read_stats, launch=ws.launch)
     )  # fmt: skip
     out = torch.empty_like(case["query"])
     # Attend + Merge on a fixed-count list (kept_fraction of the pages).
@@ -963,38 +904,26 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     ws_fixed = workspace(case, fixed)
     moira.estimate_and_select(*args, ws_fixed, SCALE, k_scale=k_scale)
     torch.cuda.synchronize()
-    counts = ws_fixed.page_count[:batch]
+    counts = ws_fixed.list_lengths[:batch]
     # K and V of the kept pages, in the cache's bytes (fp8: one per value).
     kept_bytes = int(counts.sum()) * PAGE * 2 * D * case["kv"].element_size()
+    # The paper's Alg. 2 (benchmarks/paper_attend.py) on the same lists.
+    paper = PaperAttend(batch, HQ, HKV, D, ws_fixed.attend_fill_blocks, "cuda")
     attend_us = graph_time_us(
-        lambda: moira.attend(
-            case["query"],
-            case["kv"],
-            case["table"],
-            case["seq"],
-            ws_fixed.page_list,
-            ws_fixed.page_count,
-            out,
-            ws_fixed,
-            SCALE,
-            **scales,
-        )
-    )
+        lambda: paper(case["query"], case["kv"], case["table"], case["seq"], ws_fixed.page_list,
+                      ws_fixed.list_lengths, out, SCALE)
+    )  # fmt: skip
     rows["attend_merge_us"] = attend_us
-    # The same lists under the serving backend's schedule (even pages per
-    # block, MoiraConfig's default); the paper's preset above is Alg. 2.
-    ws_pages = workspace(case, dataclasses.replace(fixed, attend_schedule="pages"))
-    ws_pages.page_list.copy_(ws_fixed.page_list)
-    ws_pages.page_count.copy_(ws_fixed.page_count)
+    # The backend's Attend (even pages per block).
     attend_pages_us = graph_time_us(
         lambda: moira.attend(case["query"], case["kv"], case["table"], case["seq"],
-                             ws_pages.page_list, ws_pages.page_count, out, ws_pages, SCALE,
+                             ws_fixed.page_list, ws_fixed.list_lengths, out, ws_fixed, SCALE,
                              **scales)
     )  # fmt: skip
     rows["attend_pages_merge_us"] = attend_pages_us
     rows["attend_pages_tbps"] = kept_bytes / (attend_pages_us * 1e-6) / 1e12
     if sweep_attend:
-        rows["attend_sweep"] = sweep_attend_launch(case, out, ws_fixed, ws_pages, scales)
+        rows["attend_sweep"] = sweep_attend_launch(case, out, ws_fixed, scales)
     if sweep_estimate_select:
         rows.update(sweep_estimate_and_select(case, ws))
     rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
@@ -1005,7 +934,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     rows["moira_step_coverage_us"] = graph_time_us(
         lambda: moira.moira_decode(*args, out, ws, SCALE, **scales)
     )
-    counts_cov = ws.page_count[:batch]
+    counts_cov = ws.list_lengths[:batch]
     rows["coverage_kept_fraction"] = int(counts_cov.sum()) / sum(
         math.ceil(s / PAGE) * HKV for s in case["seq_lens"]
     )
@@ -1024,8 +953,7 @@ def main():
     parser.add_argument(
         "--sweep-attend",
         action="store_true",
-        help="time Attend launch configs under both schedules (outputs checked against "
-        "each schedule's default)",
+        help="time Attend launch configs (outputs checked against the default's)",
     )
     parser.add_argument("--attend-sweep", default=None,
                         help="JSON list of launch and MoiraConfig changes for "
@@ -1034,12 +962,12 @@ def main():
                         help="time Estimate (also per --estimators entry) and Select launch "
                         "configs (log-masses and lists checked)")  # fmt: skip
     parser.add_argument("--estimate-sweep", default=None,
-                        help="JSON list of ESTIMATE_LAUNCH changes for --sweep-estimate-select "
+                        help="JSON list of Estimate launch changes for --sweep-estimate-select "
                         "(default: ESTIMATE_SWEEP)")  # fmt: skip
     parser.add_argument("--estimate-launch", default=None,
-                        help="JSON merged into ESTIMATE_LAUNCH before any work (every "
+                        help="JSON of Estimate launch overrides for the whole run (every "
                         "check and timing runs under it), e.g. "
-                        "'{\"int8_convert\": \"imma\"}'")  # fmt: skip
+                        "'{\"key_stages\": 2}'")  # fmt: skip
     parser.add_argument(
         "--no-select-sweep",
         action="store_true",
@@ -1049,7 +977,7 @@ def main():
         "--estimators",
         default="",
         help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time; prefix 'int8:' "
-        "or 'int4:' (e.g. int8:mvar_top4) for int8 summaries or int4 stored keys "
+        "or 'int4:' (e.g. int4:mvar_top8) for int8 summaries or int4 stored keys "
         "(MOIRA_SUMMARY_DTYPE), suffix '+wide' for MOIRA_REFINE=wide (e.g. "
         "int8:mvar_top8+wide)",
     )
@@ -1070,10 +998,11 @@ def main():
                         "and fixed steps under")  # fmt: skip
     args = parser.parse_args()
     if args.estimate_launch is not None:
-        for key, value in json.loads(args.estimate_launch).items():
-            if key not in moira.ESTIMATE_LAUNCH:
-                parser.error(f"--estimate-launch: unknown key {key!r}")
-            moira.ESTIMATE_LAUNCH[key] = value
+        try:
+            LAUNCH.update(moira.check_launch_overrides(
+                {"estimate": json.loads(args.estimate_launch)}))  # fmt: skip
+        except ValueError as exc:
+            parser.error(f"--estimate-launch: {exc}")
     if args.estimate_sweep is not None:
         ESTIMATE_SWEEP[:] = json.loads(args.estimate_sweep)
     if args.attend_sweep is not None:
@@ -1092,8 +1021,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     record = {"command": command, "gpu": gpu, "torch": torch.__version__,
               "kv_cache_dtype": args.kv_cache_dtype,
-              "estimate_launch": dict(moira.ESTIMATE_LAUNCH), "cases": []}  # fmt: skip
-    timing = {"command": command, "gpu": gpu, "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
+              "launch_overrides": LAUNCH, "cases": []}  # fmt: skip
+    timing = {"command": command, "gpu": gpu, "launch_overrides": LAUNCH,
               "kv_cache_dtype": args.kv_cache_dtype, "rows": []}  # fmt: skip
     if not args.skip_timing:
         timing["d2d_copy_tbps"] = copy_bandwidth_tbps()

@@ -47,13 +47,13 @@ Steps (NAME[:ARG]):
   refine-sweep[:SHAPES]
                        the same for int8:mvar_top8+wide with queries x3 (wide pages to
                        refine), plus Estimate + Select under every REFINE_SWEEP launch
-                       (refine loop stages, the serial loop's 0 included, warps, tiles), each
+                       (refine loop stages, warps, tiles, programs per step), each
                        checked against the default's lists, into refine_sweep.json
                        (SHAPES default 4x131072,32x8192)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
-                       launch candidate (ATTEND_SWEEP, tile_pages included) under both
-                       schedules on the same lists, into attend_sweep.json (SHAPES default
+                       launch candidate (ATTEND_SWEEP: warps, stages, register caps, N_F)
+                       on the same lists, into attend_sweep.json (SHAPES default
                        4x131072; with --kv-cache-dtype fp8: attend_sweep_fp8.json)
   accuracy             benchmarks/accuracy/run_accuracy_vllm.py run (FLASH_ATTN, MOIRA),
                        then merge; needs --acc-prompts and --acc-model

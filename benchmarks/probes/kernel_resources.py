@@ -60,8 +60,6 @@ KERNEL_NAMES = (
 #: the pages that decode rows fill): their per-channel sums must be reduced in
 #: the same order (summary_sum_layouts).
 SUMMARY_KERNEL_NAMES = ("kernel_moira_write_summaries", "kernel_moira_estimate")
-#: The kernels that replace Attend and Merge under attend_schedule="pages".
-PAGE_SCHEDULE_KERNEL_NAMES = ("kernel_moira_attend_pages", "kernel_moira_merge_pages")
 #: refine="wide"'s kernel, between its two Selects.
 REFINE_KERNEL_NAMES = ("kernel_moira_refine",)
 #: Launch options of Triton's launcher, not kernel arguments.
@@ -113,14 +111,14 @@ def captured_launches(moira):
             return record
 
     # (--src trees from before the "pages" schedule have no such kernels.)
-    names = KERNEL_NAMES + PAGE_SCHEDULE_KERNEL_NAMES + REFINE_KERNEL_NAMES
+    names = KERNEL_NAMES + REFINE_KERNEL_NAMES
     originals = {name: getattr(moira, name) for name in names if hasattr(moira, name)}
     dependent = moira._dependent_launch
     try:
         for name, fn in originals.items():
             setattr(moira, name, _Recorder(fn))
         # As on the H200: every kernel waits on the previous one (gdc_wait).
-        moira._dependent_launch = lambda: {"USE_GDC": True, "EARLY_TRIGGER": False}
+        moira._dependent_launch = lambda *_: {"USE_GDC": True}
         yield launches
     finally:
         for name, fn in originals.items():
@@ -130,19 +128,19 @@ def captured_launches(moira):
 
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
                          num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
-                         attend_schedule: str | None = None, kv_cache_dtype: str = "auto",
-                         refine: str | None = None) -> list:  # fmt: skip
+                         kv_cache_dtype: str = "auto", refine: str | None = None,
+                         launch: dict | None = None) -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
     the kernels' specialization allows (a few KV blocks): only shapes the
     launchers read reach the constexprs. ``kv_cache_dtype="fp8"``: on vLLM's
-    fp8 cache (e4m3 with K/V scales)."""
+    fp8 cache (e4m3 with K/V scales). ``launch``: launch overrides by kernel
+    (moira.check_launch_overrides)."""
     import torch
 
-    schedule = {"attend_schedule": attend_schedule} if attend_schedule else {}
-    if refine:  # refine="wide": two Selects with the refine kernel between them
-        schedule["refine"] = refine
-    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **schedule)
+    # refine="wide": two Selects with the refine kernel between them
+    changes = {"refine": refine} if refine else {}
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **changes)
     max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
     num_blocks = 16
     kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
@@ -158,15 +156,17 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     query = torch.zeros(rows, num_q_heads, head_size, dtype=torch.bfloat16)
     out = torch.zeros_like(query)
     slots = torch.zeros(rows, dtype=torch.int64)
+    # (--src trees from before launch overrides take none.)
+    overrides = {"launch": launch} if launch else {}
     ws = moira.MoiraWorkspace(rows, num_q_heads, num_kv_heads, head_size, max_pages, config,
-                              "cpu")  # fmt: skip
+                              "cpu", **overrides)  # fmt: skip
     with captured_launches(moira) as launches:
         # The writer runs on prefill tokens; in the decode step Estimate writes
         # the pages that filled (write_filled_pages, as the backend calls it).
         if scales:
-            moira.write_page_summaries(kv, summaries, slots, scales["k_scale"])
+            moira.write_page_summaries(kv, summaries, slots, scales["k_scale"], **overrides)
         else:
-            moira.write_page_summaries(kv, summaries, slots)
+            moira.write_page_summaries(kv, summaries, slots, **overrides)
         # (--src trees from before it have no such option.)
         decode_options = ({"write_filled_pages": True} if "write_filled_pages"
                           in inspect.signature(moira.moira_decode).parameters else {})  # fmt: skip
@@ -334,24 +334,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", default=None, help="import vllm_moira from this directory")
     ap.add_argument("--triton-path", default=None, help="a directory holding another Triton")
     ap.add_argument(
-        "--attend-schedule",
-        default=None,
-        help="MoiraConfig.attend_schedule (default: the config's)",
-    )
-    ap.add_argument(
         "--estimate-launch",
         default=None,
-        help='JSON merged into ESTIMATE_LAUNCH, e.g. \'{"int8_convert": "imma"}\'',
+        help="JSON of Estimate launch overrides (moira.estimate_launch), e.g. "
+        "'{\"key_stages\": 2}'",
     )
     ap.add_argument(
         "--attend-launch",
         default=None,
-        help="JSON merged into ATTEND_LAUNCH, e.g. '{\"tile_pages\": 2}'",
+        help="JSON of Attend launch overrides (moira.attend_launch), e.g. '{\"num_stages\": 4}'",
     )
     ap.add_argument(
         "--refine-launch",
         default=None,
-        help="JSON merged into REFINE_LAUNCH, e.g. '{\"pipeline_stages\": 3}'",
+        help="JSON of refine launch overrides (moira.refine_launch), e.g. "
+        "'{\"pipeline_stages\": 3}'",
     )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
@@ -361,21 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     moira = _import_moira(a.src, a.triton_path)
     import triton
 
-    for option, text, launch in (
-        ("--estimate-launch", a.estimate_launch, moira.ESTIMATE_LAUNCH),
-        ("--attend-launch", a.attend_launch, moira.ATTEND_LAUNCH),
-        ("--refine-launch", a.refine_launch, moira.REFINE_LAUNCH),
-    ):
-        for key, value in json.loads(text or "{}").items():
-            if key not in launch:
-                ap.error(f"{option}: unknown key {key!r}")
-            launch[key] = value
+    launch = {kernel: json.loads(text) for kernel, text in (
+        ("estimate", a.estimate_launch), ("attend", a.attend_launch), ("refine", a.refine_launch),
+    ) if text}  # fmt: skip
+    if launch:
+        try:
+            moira.check_launch_overrides(launch)
+        except ValueError as exc:
+            ap.error(str(exc))
 
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
-                                    attend_schedule=a.attend_schedule,
-                                    kv_cache_dtype=a.kv_cache_dtype, refine=a.refine)  # fmt: skip
+                                    kv_cache_dtype=a.kv_cache_dtype, refine=a.refine,
+                                    launch=launch)  # fmt: skip
     rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
@@ -397,10 +393,15 @@ def main(argv: list[str] | None = None) -> int:
             "summary_dtype": summary_dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
             "refine": a.refine or "off",
-            "attend_schedule": a.attend_schedule or moira.MoiraConfig.paper().attend_schedule,
-            "estimate_launch": dict(moira.ESTIMATE_LAUNCH),
-            "attend_launch": dict(moira.ATTEND_LAUNCH),
-            "refine_launch": dict(moira.REFINE_LAUNCH),
+            "estimate_launch": moira.estimate_launch(
+                moira.estimator_num_top(estimator),
+                summary_dtype != "bfloat16",
+                launch.get("estimate"),
+            )._asdict(),
+            "attend_launch": moira.attend_launch(
+                a.kv_cache_dtype == "fp8", launch.get("attend")
+            )._asdict(),
+            "refine_launch": moira.refine_launch(launch.get("refine"))._asdict(),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }

@@ -66,7 +66,7 @@ def main() -> None:
 
         def select(ws=ws):
             moira.select_pages(
-                ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+                ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths,
                 ws.selector_params, batch, case["max_pages"], ws.read_stats,
             )  # fmt: skip
 
@@ -87,7 +87,7 @@ def main() -> None:
         def attend(ws=ws_fixed, out=out):
             moira.attend(
                 case["query"], case["kv"], case["table"], case["seq"], ws.page_list,
-                ws.page_count, out, ws, SCALE,
+                ws.list_lengths, out, ws, SCALE,
             )  # fmt: skip
 
         for _ in range(3):

@@ -117,7 +117,7 @@ def main():
                                 case["seq"], ws.logmass, SCALE, args.estimator)  # fmt: skip
     torch.cuda.synchronize()
     if args.once:
-        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count,
+        moira.select_pages(ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths,
                            ws.selector_params, batch, max_pages, ws.read_stats)  # fmt: skip
         torch.cuda.synchronize()
         return
@@ -133,12 +133,12 @@ def main():
 
     def select(lanes, passes, warps):
         moira.kernel_moira_select[(batch, hkv)](
-            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.page_count, ws.read_stats,
-            ws.page_count,  # list_pages: unwritten (HAS_LIST_PAGES is False)
+            ws.logmass, case["seq"], ws.pibar, ws.page_list, ws.list_lengths, ws.read_stats,
+            ws.list_lengths,  # kept_total: unwritten (HAS_KEPT_TOTAL is False)
             ws.selector_params, ws.row_gamma,
             ws.logmass.stride(0), ws.logmass.stride(1), ws.logmass.stride(2),
             ws.pibar.stride(0), ws.pibar.stride(1), ws.page_list.stride(0),
-            ws.page_list.stride(1), ws.page_count.stride(0),
+            ws.page_list.stride(1), ws.list_lengths.stride(0),
             GROUP_SIZE=group, GROUP_ROWS=triton.next_power_of_2(group), TILE_PAGES=tile,
             NUM_TILES=1, SHORT_TILE_PAGES=256, LONG_LANES=lanes, LONG_LANE_PASSES=passes,
             PAGE_SIZE=64, HAS_ROW_GAMMA=True, num_warps=warps,

@@ -2,12 +2,12 @@
 """The summary writer's prefill cost on Estimate's warps (H200; not a test).
 
 Since decode rows' filled pages are summarized by Estimate, the prefill writer
-(``write_page_summaries``) runs on Estimate's warps (``ESTIMATE_LAUNCH``) so
+(``write_page_summaries``) runs on Estimate's warps (``moira.writer_launch``) so
 that both store the same bits. This times the writer on a prefill chunk's
 slot mapping (every token of ``--tokens`` tokens, so ``tokens / 64`` pages
 per KV head are summarized and the other programs exit) at Llama-3.1-8B's
 8 KV heads x D = 128, on 2 and 4 warps and with ``--windows`` tokens per
-program (``WRITER_LAUNCH["window_tokens"]``; 1 is one program per token), in
+program (the "writer" launch override window_tokens; 1 is one program per token), in
 one run, next to dense FA3's prefill attention over the same chunk (causal,
 ``flash_attn_varlen_func``), for scale. Per layer; median of CUDA-graph
 replays as moira_correctness.py. Every launch's summaries are compared with
@@ -33,7 +33,7 @@ from vllm.v1.attention.backends import moira  # noqa: E402
 from benchmarks.moira_correctness import graph_time_us  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, moira.MOIRA_PAGE_SIZE
-SUMMARIES = ("int8:mvar", "int8:mvar_top8", "bfloat16:mvar_top4")
+SUMMARIES = ("int8:mvar", "int8:mvar_top8", "bfloat16:mvar_top8")
 
 
 def fa3_prefill_us(tokens: int) -> float | None:
@@ -65,8 +65,8 @@ def main() -> int:
     num_blocks = pages + 1  # block 0 is vLLM's null block
     kv = torch.randn(num_blocks, HKV, PAGE, 2 * D, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(PAGE, PAGE + args.tokens, device="cuda", dtype=torch.int64)
-    default_warps = moira.ESTIMATE_LAUNCH["num_warps"]
-    default_window = moira.WRITER_LAUNCH["window_tokens"]
+    default_warps = moira.writer_launch().num_warps
+    default_window = moira.writer_launch().window_tokens
     rows = []
     for name in SUMMARIES:
         dtype_name, estimator = name.split(":")
@@ -76,15 +76,11 @@ def main() -> int:
         for warps in (int(w) for w in args.warps.split(",")):
             for window in (int(w) for w in args.windows.split(",")):
                 summaries = torch.zeros_like(tree)
-                moira.ESTIMATE_LAUNCH["num_warps"] = warps
-                moira.WRITER_LAUNCH["window_tokens"] = window
-                try:
-                    moira.write_page_summaries(kv, summaries, slots)
-                    same = bool(torch.equal(summaries, tree))
-                    us = graph_time_us(lambda s=summaries: moira.write_page_summaries(kv, s, slots))
-                finally:
-                    moira.ESTIMATE_LAUNCH["num_warps"] = default_warps
-                    moira.WRITER_LAUNCH["window_tokens"] = default_window
+                launch = {"writer": {"num_warps": warps, "window_tokens": window}}
+                moira.write_page_summaries(kv, summaries, slots, launch=launch)
+                same = bool(torch.equal(summaries, tree))
+                us = graph_time_us(lambda s=summaries, launch=launch: moira.write_page_summaries(
+                    kv, s, slots, launch=launch))  # fmt: skip
                 rows.append({"summaries": name, "num_warps": warps, "window_tokens": window,
                              "tokens": args.tokens, "pages_per_kv_head": pages,
                              "writer_us_per_layer": us, "same_bits_as_tree": same})  # fmt: skip

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
@@ -184,12 +183,12 @@ def test_merge_keeps_each_attend_launch_apart(tmp_path):
     rows = [_row(arm="dense", selector=None, gamma=None, reads=None, tpot_ms=12.0,
                  kv_cache_dtype="fp8"),
             _row(tpot_ms=6.0, kv_cache_dtype="fp8"),
-            _row(tpot_ms=5.0, kv_cache_dtype="fp8", attend_launch={"tile_pages": 2})]  # fmt: skip
+            _row(tpot_ms=5.0, kv_cache_dtype="fp8", attend_launch={"num_stages": 4})]  # fmt: skip
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"command": "c", "kv_cache_dtype": "fp8", "rows": rows}))
     rec = bt.merge([str(path)], str(tmp_path / "tpot.json"))
     by_launch = {json.dumps(s.get("attend_launch")): s["speedup"] for s in rec["speedups"]}
-    assert by_launch == {"null": pytest.approx(2.0), '{"tile_pages": 2}': pytest.approx(2.4)}
+    assert by_launch == {"null": pytest.approx(2.0), '{"num_stages": 4}': pytest.approx(2.4)}
 
 
 def test_merge_keeps_each_refine_mode_apart(tmp_path):
@@ -213,29 +212,6 @@ def test_rows_name_the_engines_refine_mode_on_moira_arms_only():
     assert bt.base_row(ctx, 8192, 32, moira_arm)["refine"] == "wide"
     assert "refine" not in bt.base_row(ctx, 8192, 32, dense_arm)
     assert "refine" not in bt.base_row({"model": "m"}, 8192, 32, moira_arm)
-
-
-def test_attend_launch_is_checked_then_applied(monkeypatch):
-    moira = pytest.importorskip("vllm.v1.attention.backends.moira")
-    monkeypatch.setattr(moira, "ATTEND_LAUNCH", dict(moira.ATTEND_LAUNCH))
-    ap = argparse.ArgumentParser()
-
-    def args(text, backend="MOIRA", tp=1):
-        return argparse.Namespace(attend_launch=text, backend=backend, tensor_parallel_size=tp)
-
-    assert bt.parse_attend_launch(ap, args(None)) is None
-    assert moira.ATTEND_LAUNCH["tile_pages"] == 1
-    for text, kw in (('{"tile_pages": 3}', {}), ('{"tiles": 2}', {}), ("[2]", {}), ("{", {}),
-                     ('{"tile_pages": 2}', {"backend": "FLASH_ATTN"}),
-                     ('{"tile_pages": 2}', {"tp": 2})):  # fmt: skip
-        with pytest.raises(SystemExit):
-            bt.parse_attend_launch(ap, args(text, **kw))
-        assert moira.ATTEND_LAUNCH["tile_pages"] == 1, text
-    assert bt.parse_attend_launch(ap, args('{"tile_pages": 2, "num_stages": 2}')) == {
-        "tile_pages": 2,
-        "num_stages": 2,
-    }
-    assert moira.ATTEND_LAUNCH["tile_pages"] == 2 and moira.ATTEND_LAUNCH["num_stages"] == 2
 
 
 def test_merge_compares_greedy_outputs(tmp_path):

@@ -4,7 +4,6 @@ from the reference's is classified."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _load import load
 
@@ -60,50 +59,31 @@ def test_pages_within_the_bisection_resolution_are_near_ties():
     assert not mc.is_near_tie(with_light_page, pibar, gamma)
 
 
-def test_attend_sweep_entries_split_by_schedule():
-    # Warps and stages are shared by both Attend kernels; maxnreg goes to the schedule's
-    # own launch dict; MoiraConfig fields to a workspace of their own.
-    assert mc.split_attend_changes({}, "lists") == ({}, {}, {})
-    assert mc.split_attend_changes({"num_warps": 8, "maxnreg": 128}, "lists") == (
-        {"num_warps": 8}, {"maxnreg": 128}, {})  # fmt: skip
-    assert mc.ATTEND_SCHEDULE_LAUNCH["lists"] == "ATTEND_LAUNCH"
-    assert mc.split_attend_changes({"num_stages": 4, "maxnreg": None}, "pages") == (
-        {"num_stages": 4}, {"maxnreg": None}, {})  # fmt: skip
-    assert mc.split_attend_changes({"tile_pages": 2, "maxnreg": None}, "pages") == (
-        {"tile_pages": 2}, {"maxnreg": None}, {})  # fmt: skip
-    assert mc.split_attend_changes({"attend_fill_blocks": 792}, "pages") == (
-        {}, {}, {"attend_fill_blocks": 792})  # fmt: skip
-    # `pages` has no chunks: an entry that changes the chunk size does not apply.
-    assert mc.split_attend_changes({"min_chunk_pages": 12}, "pages") is None
-    assert mc.split_attend_changes({"min_chunk_pages": 12}, "lists") == (
-        {}, {}, {"min_chunk_pages": 12})  # fmt: skip
-    with pytest.raises(ValueError, match="schedule must be one of"):
-        mc.split_attend_changes({}, "ragged")
-
-
-def test_attend_sweep_names_only_known_settings():
-    # Every key of every candidate is a launch setting or a MoiraConfig field, and the
-    # schedules' launch dicts are the backend's.
+def test_sweeps_name_only_known_settings():
+    # Every key of every Attend candidate is an Attend launch setting or a MoiraConfig
+    # field; every Estimate and refine candidate is a valid override that changes the
+    # default (whose results are the sweep's reference).
     import dataclasses
 
-    fields = {f.name for f in dataclasses.fields(mc.moira.MoiraConfig)}
+    moira = mc.moira
+    fields = {f.name for f in dataclasses.fields(moira.MoiraConfig)}
+    assert set(mc.ATTEND_LAUNCH_KEYS) == set(moira.AttendLaunch._fields)
     for changes in mc.ATTEND_SWEEP:
         for key in changes:
-            assert key in mc.moira.ATTEND_LAUNCH or key == "maxnreg" or key in fields, key
-        assert changes.get("tile_pages", 1) in mc.moira.ATTEND_TILE_PAGES
-    for name in mc.ATTEND_SCHEDULE_LAUNCH.values():
-        assert isinstance(getattr(mc.moira, name), dict)
-    assert "maxnreg" in mc.moira.ATTEND_PAGES_LAUNCH and "maxnreg" in mc.moira.ATTEND_LAUNCH
-
-
-def test_refine_sweep_names_only_refine_launch_settings():
-    # Each entry changes the default (whose lists are the sweep's reference), and the
-    # serial loop (pipeline_stages 0) stays among the timed alternatives.
-    default = mc.moira.REFINE_LAUNCH
+            assert key in mc.ATTEND_LAUNCH_KEYS or key in fields, key
     for changes in mc.REFINE_SWEEP:
-        assert changes and set(changes) <= set(default), changes
-        assert {**default, **changes} != default, changes
-    assert any({**default, **c}["pipeline_stages"] == 0 for c in mc.REFINE_SWEEP)
+        assert changes and moira.refine_launch(changes) != moira.refine_launch(), changes
+    for changes in mc.ESTIMATE_SWEEP:
+        moira.estimate_launch(8, True, changes)
+    for lanes, warps in mc.SELECT_SWEEP:
+        moira.select_launch(4096, 1, {"long_lanes": lanes, "long_num_warps": warps})
+
+
+def test_with_launch_merges_kernel_by_kernel(monkeypatch):
+    monkeypatch.setattr(mc, "LAUNCH", {"estimate": {"key_stages": 2}})
+    assert mc.with_launch(estimate={"num_warps": 4}, refine={"tile_pages": 32}) == {
+        "estimate": {"key_stages": 2, "num_warps": 4}, "refine": {"tile_pages": 32}}  # fmt: skip
+    assert mc.LAUNCH == {"estimate": {"key_stages": 2}}
 
 
 def test_refine_suffix_names_the_config_not_the_summaries():
@@ -121,13 +101,13 @@ def test_same_lists_after_compares_counts_then_lists_up_to_the_longest():
     lists = torch.tensor([[[0, 3, 5, 9]], [[0, 1, 7, 7]]])
     counts = torch.tensor([[3], [2]])
     ws = types.SimpleNamespace(
-        page_list=torch.zeros_like(lists), page_count=torch.zeros_like(counts)
+        page_list=torch.zeros_like(lists), list_lengths=torch.zeros_like(counts)
     )
 
     def writes(new_lists, new_counts):
         def run():
             ws.page_list.copy_(new_lists)
-            ws.page_count.copy_(new_counts)
+            ws.list_lengths.copy_(new_counts)
 
         return run
 

@@ -97,9 +97,8 @@ def main() -> None:
     guarded = types.SimpleNamespace(
         model_config=types.SimpleNamespace(logits_processors=[REQUEST_GUARD])
     )
-    out["reasons_without_guard"] = plugin_mode_reasons(no_guard, {})
-    out["reasons_with_guard"] = plugin_mode_reasons(guarded, {})
-    out["reasons_fa3_steps"] = plugin_mode_reasons(guarded, {"MOIRA_DENSE_STEPS": "FA3"})
+    out["reasons_without_guard"] = plugin_mode_reasons(no_guard)
+    out["reasons_with_guard"] = plugin_mode_reasons(guarded)
     validate_logits_processors_parameters([REQUEST_GUARD], SamplingParams(max_tokens=4))
     try:
         validate_logits_processors_parameters(

@@ -143,33 +143,33 @@ def make_decode_batch(seq_lens, num_kv_heads, group, head_size, layout, estimato
 
 
 def pack_page_lists(lists, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """attend()'s (page_list [B, H_kv, max_pages], page_count [B, H_kv]) int32
+    """attend()'s (page_list [B, H_kv, max_pages], list_lengths [B, H_kv]) int32
     from lists[row][head] of logical page indices (empty lists allowed)."""
     rows, heads = len(lists), len(lists[0])
     page_list = torch.zeros(rows, heads, max_pages, dtype=torch.int32)
-    page_count = torch.zeros(rows, heads, dtype=torch.int32)
+    list_lengths = torch.zeros(rows, heads, dtype=torch.int32)
     for row in range(rows):
         for head in range(heads):
             pages = lists[row][head]
             page_list[row, head, : len(pages)] = pages
-            page_count[row, head] = len(pages)
-    return page_list, page_count
+            list_lengths[row, head] = len(pages)
+    return page_list, list_lengths
 
 
 def apply_launch_candidates(monkeypatch) -> None:
     """Run a GPU test under candidate launch settings before they become the
     default: ``MOIRA_TEST_ESTIMATE_LAUNCH`` and ``MOIRA_TEST_ATTEND_LAUNCH``
-    hold JSON dicts of changes to the built backend's ESTIMATE_LAUNCH and
-    ATTEND_LAUNCH (e.g. ``'{"tile_pages": 2}'``); an unknown key fails."""
+    hold JSON dicts of Estimate and Attend launch overrides (e.g.
+    ``'{"num_stages": 4}'``), which benchmarks/moira_correctness.py's workspaces
+    and launches then use; an unknown key fails."""
     import json
     import os
 
     from vllm.v1.attention.backends import moira
 
-    for variable, launch in (
-        ("MOIRA_TEST_ESTIMATE_LAUNCH", moira.ESTIMATE_LAUNCH),
-        ("MOIRA_TEST_ATTEND_LAUNCH", moira.ATTEND_LAUNCH),
-    ):
-        for key, value in json.loads(os.environ.get(variable) or "{}").items():
-            assert key in launch, (variable, key)
-            monkeypatch.setitem(launch, key, value)
+    from benchmarks import moira_correctness as mc
+
+    launch = {kernel: json.loads(os.environ[variable]) for kernel, variable in (
+        ("estimate", "MOIRA_TEST_ESTIMATE_LAUNCH"), ("attend", "MOIRA_TEST_ATTEND_LAUNCH"),
+    ) if os.environ.get(variable)}  # fmt: skip
+    monkeypatch.setattr(mc, "LAUNCH", moira.check_launch_overrides(launch))

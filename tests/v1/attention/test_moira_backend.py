@@ -216,18 +216,16 @@ def test_selector_flags():
 def test_config_defaults():
     cfg = moira_module().moira_config_from_env({})
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (0.98, "coverage", None)
-    assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (24, 32, 4096)
     # Rows of small batches are read whole, all-dense steps run FA3, and
-    # Attend shares the step's pages evenly.
+    # Attend's blocks are those the GPU holds at once.
     assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (0, 36864)
-    assert (cfg.attend_schedule, cfg.dense_steps) == ("pages", "fa3")
+    assert cfg.dense_steps == "fa3"
     # One set of defaults: the environment's are MoiraConfig's.
     assert cfg == moira_module().MoiraConfig()
-    # The paper's algorithm is a preset: Alg. 2, no dense rows, Moira on every step.
+    # The paper's decode step is a preset: no dense rows, Moira on every step, no
+    # refinement.
     paper = moira_module().MoiraConfig.paper(gamma=0.9)
-    assert (paper.attend_schedule, paper.dense_batch_tokens, paper.dense_steps) == (
-        "lists", 0, "moira"
-    )  # fmt: skip
+    assert (paper.dense_batch_tokens, paper.dense_steps, paper.refine) == (0, "moira", "off")
     assert paper.gamma == 0.9 and paper.estimator == cfg.estimator
 
 
@@ -237,19 +235,38 @@ def test_config_from_env_values():
             "MOIRA_GAMMA": "1",
             "MOIRA_SELECTOR": "FIXED",
             "MOIRA_FIXED_PAGES": "16",
-            "MOIRA_MIN_CHUNK_PAGES": "8",
-            "MOIRA_MIN_SPLITS_PER_ROW": "4",
-            "MOIRA_MIN_SPLITS_TOTAL": "128",
-            "MOIRA_ATTEND_FILL_BLOCKS": "1",
-            "MOIRA_DENSE_BATCH_TOKENS": "16384",
-            "MOIRA_ATTEND_SCHEDULE": "Lists",
-            "MOIRA_DENSE_STEPS": "Moira",
+            "MOIRA_ESTIMATOR": "MVAR",
+            "MOIRA_SUMMARY_DTYPE": "bfloat16",
+            "MOIRA_REFINE": "Wide",
+            # Benchmark-only: every row through the selector.
+            "MOIRA_DENSE_BATCH_TOKENS": "0",
+            # The project's tooling: not options, left alone.
+            "MOIRA_TEST_GPU": "0",
+            "MOIRA_VENV": "/tmp/venv",
         }
     )
-    assert cfg.attend_schedule == "lists" and cfg.dense_steps == "moira"
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
-    assert (cfg.min_chunk_pages, cfg.min_splits_per_row, cfg.min_splits_total) == (8, 4, 128)
-    assert (cfg.attend_fill_blocks, cfg.dense_batch_tokens) == (1, 16384)
+    assert (cfg.estimator, cfg.summary_dtype, cfg.refine) == ("mvar", "bfloat16", "wide")
+    assert (cfg.dense_batch_tokens, cfg.dense_steps, cfg.attend_fill_blocks) == (0, "fa3", 0)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["MOIRA_DENSE_STEPS", "MOIRA_ATTEND_FILL_BLOCKS", "MOIRA_ATTEND_SCHEDULE",
+     "MOIRA_MIN_CHUNK_PAGES", "MOIRA_MIN_SPLITS_PER_ROW", "MOIRA_MIN_SPLITS_TOTAL",
+     "MOIRA_GAMA", "MOIRA_WHATEVER"],
+)  # fmt: skip
+def test_config_refuses_removed_and_unknown_variables_naming_the_supported(name):
+    # Options that became internal (dense steps, Attend's blocks and chunks), typos and
+    # names Moira never had: an error at start-up that names the supported options, so
+    # no setting runs silently with the defaults.
+    with pytest.raises(ValueError) as excinfo:
+        moira_module().moira_config_from_env({name: "1"})
+    message = str(excinfo.value)
+    assert f"unknown environment variable(s) ['{name}']" in message
+    for option in ("MOIRA_GAMMA", "MOIRA_SELECTOR", "MOIRA_FIXED_PAGES", "MOIRA_FIXED_FRACTION",
+                   "MOIRA_ESTIMATOR", "MOIRA_SUMMARY_DTYPE", "MOIRA_REFINE"):  # fmt: skip
+        assert option in message
 
 
 @pytest.mark.parametrize(
@@ -269,19 +286,14 @@ def test_config_from_env_values():
             {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_PAGES": "0"},
             r"MOIRA_FIXED_PAGES, an integer >= 1",
         ),
-        ({"MOIRA_MIN_CHUNK_PAGES": "0"}, r"MOIRA_MIN_CHUNK_PAGES must be an integer >= 1"),
-        ({"MOIRA_ATTEND_FILL_BLOCKS": "-1"}, r"MOIRA_ATTEND_FILL_BLOCKS must be an integer >= 0"),
+        ({"MOIRA_MIN_CHUNK_PAGES": "24"}, r"unknown environment variable.*MOIRA_MIN_CHUNK_PAGES"),
         ({"MOIRA_DENSE_BATCH_TOKENS": "-1"}, r"MOIRA_DENSE_BATCH_TOKENS must be an integer >= 0"),
-        (
-            {"MOIRA_ATTEND_SCHEDULE": "stream"},
-            r"MOIRA_ATTEND_SCHEDULE must be one of \('lists', 'pages'\)",
-        ),
-        ({"MOIRA_DENSE_STEPS": "dense"}, r"MOIRA_DENSE_STEPS must be one of \('moira', 'fa3'\)"),
-        ({"MOIRA_MIN_SPLITS_TOTAL": "1e3"}, r"MOIRA_MIN_SPLITS_TOTAL='1e3' is not a valid int"),
+        ({"MOIRA_ATTEND_SCHEDULE": "pages"}, r"unknown environment variable.*ATTEND_SCHEDULE"),
+        ({"MOIRA_DENSE_BATCH_TOKENS": "1e3"}, r"MOIRA_DENSE_BATCH_TOKENS='1e3' is not a valid int"),
         ({"MOIRA_GAMA": "0.9"}, r"unknown environment variable.*MOIRA_GAMA.*MOIRA_GAMMA"),
         (
             {"MOIRA_ESTIMATOR": "box"},
-            r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_rem', .*'mvar_top8'\)",
+            r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_top8'\)",
         ),
         (
             {"MOIRA_SUMMARY_DTYPE": "fp8"},

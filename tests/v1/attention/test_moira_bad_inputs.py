@@ -161,13 +161,16 @@ MATRIX = [
     ("fraction-gt1", "llama", {},
      {"MOIRA_SELECTOR": "fixed", "MOIRA_FIXED_FRACTION": "1.5"}, {},
      r"MOIRA_FIXED_FRACTION must be in \(0, 1\], got 1\.5", True),
-    ("chunk-0", "llama", {}, {"MOIRA_MIN_CHUNK_PAGES": "0"}, {},
-     r"MOIRA_MIN_CHUNK_PAGES must be an integer >= 1, got 0", True),
-    ("splits-0", "llama", {}, {"MOIRA_MIN_SPLITS_PER_ROW": "0"}, {},
-     r"MOIRA_MIN_SPLITS_PER_ROW must be an integer >= 1, got 0", True),
+    ("chunk-removed", "llama", {}, {"MOIRA_MIN_CHUNK_PAGES": "24"}, {},
+     r"unknown environment variable\(s\) \['MOIRA_MIN_CHUNK_PAGES'\]; supported: \[", True),
+    ("schedule-removed", "llama", {}, {"MOIRA_ATTEND_SCHEDULE": "lists"}, {},
+     r"unknown environment variable\(s\) \['MOIRA_ATTEND_SCHEDULE'\]; supported: \[", True),
+    ("dense-steps-internal", "llama", {}, {"MOIRA_DENSE_STEPS": "moira"}, {},
+     r"unknown environment variable\(s\) \['MOIRA_DENSE_STEPS'\]; supported: \[.*"
+     r"'MOIRA_REFINE'", True),
     ("estimator-name", "llama", {}, {"MOIRA_ESTIMATOR": "box"}, {},
-     r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_rem', 'mvar_top2', 'mvar_top4', "
-     r"'mvar_top8'\) \(default 'mvar_top8'\), got 'box'", True),
+     r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_top8'\) \(default 'mvar_top8'\), "
+     r"got 'box'", True),
     ("summary-dtype", "llama", {}, {"MOIRA_SUMMARY_DTYPE": "fp8"}, {},
      r"MOIRA_SUMMARY_DTYPE must be one of \('bfloat16', 'int8', 'int4'\)", True),
     ("summary-int4-no-keys", "llama", {},

@@ -31,9 +31,8 @@ from vllm_moira.v1.attention.ops import moira_reference as ref
 # Scales as a checkpoint's calibration gives them (amax / 448 of the data):
 # not powers of two, so dequantization rounds like it does in serving.
 K_SCALE, V_SCALE = 0.0431, 0.0173
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks, so that CPU-sized lists are cut over several blocks (Merge runs).
+SMALL_FILL = dict(attend_fill_blocks=5)
 BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2  # one bf16 ulp at |x| <= 1, plus fp32 noise
 
 
@@ -97,9 +96,9 @@ def test_fp8_writer_summarizes_the_dequantized_keys(layout, head_size):
 
 
 @pytest.mark.parametrize(("estimator", "summary_dtype"),
-                         [("mvar_top4", "bfloat16"), ("mvar_top8", "int8")])  # fmt: skip
+                         [("mvar_top8", "bfloat16"), ("mvar_top8", "int8")])  # fmt: skip
 def test_fp8_writer_stored_keys_are_dequantized_keys(estimator, summary_dtype):
-    # mvar_top{r}: the r keys farthest from the page mean, each the e4m3 key
+    # mvar_top8: the r keys farthest from the page mean, each the e4m3 key
     # times k_scale (in bf16: its rounding; in int8: the reference's
     # quantization of it within one step), and the bulk's mean and variance.
     seq_lens = [64 * 3, 64 * 2 + 1]
@@ -149,7 +148,7 @@ def test_fp8_estimate_writes_the_pages_that_filled_like_the_writer(estimator, su
     [
         ("token_major", 1, 64, "mvar", "bfloat16", "random"),
         ("head_major", 3, 64, "mvar_top8", "int8", "concentrated"),
-        ("token_major", 4, 128, "mvar_top4", "bfloat16", "outlier"),
+        ("token_major", 4, 128, "mvar_top8", "bfloat16", "outlier"),
     ],
 )
 def test_fp8_estimate_matches_reference(layout, group, head_size, estimator, summary_dtype,
@@ -176,24 +175,21 @@ def test_fp8_estimate_matches_reference(layout, group, head_size, estimator, sum
 # --------------------------------------------------------------------------
 # The decode step: Estimate, Select, Attend, Merge
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
+@pytest.mark.parametrize("fill_blocks", [1, 5])
 @pytest.mark.parametrize(
     ("layout", "group", "head_size"),
     [("token_major", 1, 64), ("head_major", 3, 64), ("token_major", 4, 128)],
 )
-def test_fp8_gamma_one_equals_dense_on_the_dequantized_cache(schedule, layout, group,
+def test_fp8_gamma_one_equals_dense_on_the_dequantized_cache(fill_blocks, layout, group,
                                                              head_size):  # fmt: skip
-    # Rows: 1 token, one page, C pages, J*C + 1 pages, ragged, and a padded
-    # row (seq_len 0, left untouched).
+    # Rows: 1 token, one page, 2 and 7 pages, ragged, and a padded row
+    # (seq_len 0, left untouched); one Attend block, or lists cut over five.
     seq_lens = [1, 64, 2 * PAGE, 7 * PAGE, 64 * 4 + 17, 0]
     kv8, deq, summaries, table, seq, query = _fp8_batch(
         seq_lens, 2, group, head_size, layout, moira.MOIRA_DEFAULT_ESTIMATOR,
         moira.MOIRA_DEFAULT_SUMMARY_DTYPE,
     )  # fmt: skip
-    if schedule == "lists":
-        config = moira.MoiraConfig.paper(gamma=1.0, **SMALL_SPLITS)
-    else:
-        config = moira.MoiraConfig.paper(gamma=1.0, attend_schedule="pages", attend_fill_blocks=5)
+    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=fill_blocks)
     ws = moira.MoiraWorkspace(6, 2 * group, 2, head_size, table.shape[1], config, "cpu")
     out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
     scale = head_size**-0.5
@@ -201,28 +197,27 @@ def test_fp8_gamma_one_equals_dense_on_the_dequantized_cache(schedule, layout, g
     dense = ref.dense_decode(query, deq, table, seq, scale)
     for row, seq_len in enumerate(seq_lens[:-1]):
         n = math.ceil(seq_len / PAGE)
-        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.list_lengths[row].tolist() == [n, n]
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL, rtol=BF16_RTOL)
     assert torch.all(out[-1] == 7.0), "padded row was written"
 
 
 @pytest.mark.parametrize(
-    ("schedule", "layout", "group", "pattern", "gamma", "estimator", "summary_dtype"),
+    ("fill_blocks", "layout", "group", "pattern", "gamma", "estimator", "summary_dtype"),
     [
-        ("lists", "token_major", 3, "concentrated", 0.98, "mvar_top8", "int8"),
-        ("pages", "head_major", 4, "outlier", 0.95, "mvar_top8", "int8"),
-        ("lists", "head_major", 1, "diffuse", 0.9, "mvar", "bfloat16"),
+        (5, "token_major", 3, "concentrated", 0.98, "mvar_top8", "int8"),
+        (4, "head_major", 4, "outlier", 0.95, "mvar_top8", "int8"),
+        (1, "head_major", 1, "diffuse", 0.9, "mvar", "bfloat16"),
     ],
 )
-def test_fp8_sparse_decode_matches_reference(schedule, layout, group, pattern, gamma, estimator,
-                                             summary_dtype):  # fmt: skip
+def test_fp8_sparse_decode_matches_reference(fill_blocks, layout, group, pattern, gamma,
+                                             estimator, summary_dtype):  # fmt: skip
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv8, deq, summaries, table, seq, query = _fp8_batch(seq_lens, 2, group, 64, layout,
                                                         estimator, summary_dtype,
                                                         pattern)  # fmt: skip
-    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 4}
     config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
-                               attend_schedule=schedule, **splits)  # fmt: skip
+                                     attend_fill_blocks=fill_blocks)  # fmt: skip
     ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.moira_decode(query, kv8, summaries, table, seq, out, ws, 0.125, **_scales())
@@ -231,7 +226,7 @@ def test_fp8_sparse_decode_matches_reference(schedule, layout, group, pattern, g
     dropped = 0
     for row in range(len(seq_lens)):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
             dropped += math.ceil(seq_lens[row] / PAGE) - count
     assert dropped > 0, "gamma < 1 kept every page: the case tests nothing sparse"
@@ -247,7 +242,7 @@ def test_fp8_scales_are_read_on_the_device():
     kv8, deq, summaries, table, seq, query = _fp8_batch(seq_lens, 2, 2, 64, "token_major",
                                                         "mvar")  # fmt: skip
     config = moira.MoiraConfig.paper(gamma=1.0, estimator="mvar", summary_dtype="bfloat16",
-                               **SMALL_SPLITS)  # fmt: skip
+                               **SMALL_FILL)  # fmt: skip
     ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
     scales = _scales()
     out = torch.empty(query.shape, dtype=torch.bfloat16)

@@ -9,7 +9,7 @@ dequantized cache with the bf16 query, which is what Moira computes with.
 
     MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention/test_moira_fp8_kv_gpu.py
 
-``MOIRA_TEST_ATTEND_LAUNCH='{"tile_pages": 2}'`` runs them under a candidate
+``MOIRA_TEST_ATTEND_LAUNCH='{"num_stages": 4}'`` runs them under a candidate
 Attend launch (as in ``test_moira_kernels_gpu.py``).
 """
 
@@ -38,30 +38,28 @@ def case(request):
     return mc.build_case(batch, context, kv_cache_dtype="fp8")
 
 
-def _config(schedule, **changes):
+def _config(**changes):
     from vllm.v1.attention.backends import moira
 
-    return moira.MoiraConfig.paper(attend_schedule=schedule, **changes)
+    return moira.MoiraConfig.paper(**changes)
 
 
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
-def test_fp8_gamma_one_matches_fa3_within_vllm_fp8_tolerance(case, schedule):
+def test_fp8_gamma_one_matches_fa3_within_vllm_fp8_tolerance(case):
     # vLLM's own bar for attention on an fp8 cache (atol 6e-2, rtol 1e-1),
     # and no further from the float32 result than FA3 (which also rounds the
     # query and the probabilities to e4m3) is.
     from benchmarks import moira_correctness as mc
 
-    result = mc.check_gamma_one(case, _config(schedule, gamma=1.0))
+    result = mc.check_gamma_one(case, _config(gamma=1.0))
     assert result["keeps_every_page"] and result["all_finite"], result
     assert result["fa3_close_at_fp8_tolerance"], result
     assert result["max_abs_diff_moira_vs_fp32"] <= result["max_abs_diff_fa3_vs_fp32"], result
 
 
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
-def test_fp8_graph_replay_equals_eager_bitwise(case, schedule):
+def test_fp8_graph_replay_equals_eager_bitwise(case):
     from benchmarks import moira_correctness as mc
 
-    config = _config(schedule, gamma=0.98)
+    config = _config(gamma=0.98)
     for name, result in mc.check_graph_replay(case, config=config).items():
         assert result["bitwise_equal"] and result["lists_equal"], name
 
@@ -69,7 +67,7 @@ def test_fp8_graph_replay_equals_eager_bitwise(case, schedule):
 def test_fp8_dependent_launches_equal_plain_launches_bitwise(case):
     from benchmarks import moira_correctness as mc
 
-    result = mc.check_dependent_launches(case, config=_config("pages", gamma=0.98))
+    result = mc.check_dependent_launches(case, config=_config(gamma=0.98))
     assert result["eager_equal_bits"] and result["graph_equal_bits"], result
 
 
@@ -94,12 +92,12 @@ def test_fp8_select_lists_and_estimate_match_reference(case):
 
 
 def test_fp8_bf16_summaries_store_the_dequantized_keys(case):
-    # bf16 mvar_top4: the stored keys are the dequantized keys rounded to
+    # bf16 mvar_top8: the stored keys are the dequantized keys rounded to
     # bf16, bit for bit; the bulk within bf16 rounding.
     from benchmarks import moira_correctness as mc
 
-    case4 = mc.estimator_case(case, "mvar_top4")
-    result = mc.check_estimator_summaries(case4, "mvar_top4")
+    case8 = mc.estimator_case(case, "mvar_top8")
+    result = mc.check_estimator_summaries(case8, "mvar_top8")
     assert result["stored_keys_equal"] >= result["pages_checked"] - 2, result
     assert result["bulk_max_err_in_bf16_ulps"] <= 1.0, result
 
@@ -133,7 +131,7 @@ def test_e4m3_to_fp16_conversion_is_exact():
         assert torch.equal(dst, src.float().to(torch.float16)), warps
 
 
-@pytest.mark.parametrize("name", ["int8:mvar_top8", "mvar_top4"])
+@pytest.mark.parametrize("name", ["int8:mvar_top8", "mvar_top8"])
 def test_fp8_estimate_writes_filled_pages_like_the_writer(name):
     # On an fp8 cache too, the decode step's summary write (Estimate,
     # write_filled_pages) stores the bits that write_page_summaries stores.

@@ -24,13 +24,9 @@ from tests.v1.attention.moira_test_utils import (
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-# Attend constants small enough that CPU-sized rows still split into several
-# chunks (the defaults C=24, N_J=32, N_T=4096 are exercised separately).
-# attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
-# their boundaries (the fill rule has tests of its own).
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks (N_F), so that CPU-sized lists are cut over several blocks and
+# Merge combines their parts (the default N_F is exercised separately).
+SMALL_FILL = dict(attend_fill_blocks=5)
 # Decode-step tests run the default estimator (its summaries and Estimate);
 # estimator-specific kernels are tested in test_moira_estimator_kernels.py.
 DEFAULT_ESTIMATOR = moira.MOIRA_DEFAULT_ESTIMATOR
@@ -71,7 +67,7 @@ def test_write_summaries_matches_reference(layout, head_size):
 
 
 @pytest.mark.parametrize("estimator", ["mvar", DEFAULT_ESTIMATOR])
-def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
+def test_write_summaries_same_bits_for_every_window(estimator):
     # A prefill slice where requests' segments meet: three page ends within
     # 8 tokens (blocks 6, 1, 4), a chunk that starts mid-page and fills
     # block 3 at its 22nd token, padding, and a token count that no window
@@ -91,9 +87,9 @@ def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
     ])  # fmt: skip
     results = {}
     for window in (1, 4, 16, 64):
-        monkeypatch.setitem(moira.WRITER_LAUNCH, "window_tokens", window)
         summaries = torch.zeros(8, 2, rows, 64, dtype=dtype)
-        moira.write_page_summaries(kv, summaries, slots)
+        moira.write_page_summaries(kv, summaries, slots,
+                                   launch={"writer": {"window_tokens": window}})  # fmt: skip
         results[window] = summaries
     filled = [1, 3, 4, 6]
     for window, summaries in results.items():
@@ -106,19 +102,22 @@ def test_write_summaries_same_bits_for_every_window(monkeypatch, estimator):
         assert torch.all((got - expected).abs() <= _bf16_ulp(expected) + 1e-6)
 
 
-def test_writer_window_must_be_a_power_of_two(monkeypatch):
+def test_writer_window_must_be_a_power_of_two():
     kv = make_kv_cache(2, 1, 64, "token_major", generator=torch.Generator().manual_seed(0))
-    monkeypatch.setitem(moira.WRITER_LAUNCH, "window_tokens", 48)
-    with pytest.raises(ValueError, match=r"WRITER_LAUNCH\['window_tokens'\]"):
+    with pytest.raises(ValueError, match=r"writer launch window_tokens must be a power of two "
+                       r"in \[1, 1024\], got 48"):  # fmt: skip
         moira.write_page_summaries(
-            kv, torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16), torch.tensor([PAGE + 63])
+            kv,
+            torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16),
+            torch.tensor([PAGE + 63]),
+            launch={"writer": {"window_tokens": 48}},
         )
 
 
 @pytest.mark.parametrize(
     ("estimator", "summary_dtype"),
-    [("mvar", "bfloat16"), ("mvar_top4", "bfloat16"), (DEFAULT_ESTIMATOR, "int8"),
-     ("mvar_top4", "int4")],
+    [("mvar", "bfloat16"), (DEFAULT_ESTIMATOR, "bfloat16"), (DEFAULT_ESTIMATOR, "int8"),
+     (DEFAULT_ESTIMATOR, "int4")],
 )  # fmt: skip
 @pytest.mark.parametrize("dense", [False, True])
 def test_estimate_writes_the_pages_that_filled(estimator, summary_dtype, dense):
@@ -196,10 +195,9 @@ def test_verify_page_summaries_finds_wrong_and_missing_pages():
     ],
 )
 @pytest.mark.parametrize("tile_pages", [16, 64])
-def test_estimate_matches_reference(layout, group, head_size, pattern, tile_pages, monkeypatch):
+def test_estimate_matches_reference(layout, group, head_size, pattern, tile_pages):
     # 16-page tiles: the sink, a middle tile and the current page fall in
     # different programs; 64: one tile holds the whole row.
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", tile_pages)
     seq_lens = [1, 64, 65, 300, 64 * 5, 64 * 40 + 7]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, head_size, layout, pattern,
                                               estimator="mvar")  # fmt: skip
@@ -207,7 +205,8 @@ def test_estimate_matches_reference(layout, group, head_size, pattern, tile_page
     ws = moira.MoiraWorkspace(8, 2 * group, 2, head_size, table.shape[1],
                               moira.MoiraConfig.paper(), "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, "mvar")
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, "mvar",
+                                launch={"estimate": {"tile_pages": tile_pages}})  # fmt: skip
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         expected = ref.estimate_row_logmass(query[row], kv, summaries, table[row], seq_len, scale)
@@ -225,24 +224,25 @@ def _random_logmass(num_rows, num_kv_heads, group, max_pages, seed, spread=3.0):
     return logmass * spread + heavy * 4.0
 
 
-def _run_select(logmass, seq_lens, config):
+def _run_select(logmass, seq_lens, config, launch=None):
     num_rows, num_kv_heads, group, max_pages = logmass.shape
     ws = moira.MoiraWorkspace(num_rows, num_kv_heads * group, num_kv_heads, 64,
-                              max_pages, config, "cpu")  # fmt: skip
+                              max_pages, config, "cpu", launch=launch)  # fmt: skip
     ws.logmass.copy_(logmass)
     ws.page_list.fill_(-7)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
-    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
-                       ws.selector_params, num_rows, max_pages, ws.read_stats)  # fmt: skip
+    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.list_lengths,
+                       ws.selector_params, num_rows, max_pages, ws.read_stats,
+                       launch=ws.launch)  # fmt: skip
     return ws
 
 
 @pytest.fixture(params=[1, 4, 8], ids=lambda lanes: f"long_lanes{lanes}")
-def long_lanes(request, monkeypatch):
+def long_lanes(request):
     """Both bisection forms for rows of >= 256 pages (one reduction per
-    threshold, and K_B thresholds per 2D reduction) must give the same lists."""
-    monkeypatch.setitem(moira.SELECT_LAUNCH, "long_lanes", request.param)
-    return request.param
+    threshold, and K_B thresholds per 2D reduction) must give the same lists:
+    Select's launch overrides."""
+    return {"select": {"long_lanes": request.param}}
 
 
 # Groups 1 (no GQA) and 4 (Llama-3.1-8B) run by default; 3 and 8 are slow in the interpreter.
@@ -256,14 +256,14 @@ def test_select_lists_equal_reference_at_098(group, long_lanes):
     seq_lens[:4] = torch.tensor([1, 64, 129, max_pages * PAGE])  # edge lengths
     logmass = _random_logmass(num_rows, num_kv_heads, group, max_pages, seed=group)
     config = moira.MoiraConfig.paper(gamma=0.98)
-    ws = _run_select(logmass, seq_lens.tolist(), config)
+    ws = _run_select(logmass, seq_lens.tolist(), config, launch=long_lanes)
     checked = 0
     for row, seq_len in enumerate(seq_lens.tolist()):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(num_kv_heads):
             expected = ref.select_pages(pibar[h], gamma=0.98)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist(), (row, h)
             checked += 1
     assert checked >= 64
@@ -274,12 +274,12 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
     num_rows, max_pages = 6, 200
     seq_lens = [max_pages * PAGE, 5000, 3 * PAGE, 64 * 77 + 5, 999, 64 * 150]
     logmass = _random_logmass(num_rows, 2, 3, max_pages, seed=7)
-    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=gamma))
+    ws = _run_select(logmass, seq_lens, moira.MoiraConfig.paper(gamma=gamma), launch=long_lanes)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             pages = ws.page_list[row, h, :count]
             assert pages[0] == 0 and pages[-1] == n - 1
             assert torch.all(pages[1:] > pages[:-1]), "list not in page order"
@@ -291,7 +291,7 @@ def test_select_coverage_reaches_gamma_with_fewest_pages(gamma, long_lanes):
                 assert kept - middle.min() < gamma + 1e-5
     # Select accumulates the read fraction's numerator and denominator.
     total_pages = sum(math.ceil(s / PAGE) for s in seq_lens) * 2
-    assert ws.read_stats.tolist() == [int(ws.page_count.sum()), total_pages]
+    assert ws.read_stats.tolist() == [int(ws.list_lengths.sum()), total_pages]
 
 
 def test_select_gamma_one_keeps_every_page():
@@ -302,7 +302,7 @@ def test_select_gamma_one_keeps_every_page():
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         for h in range(2):
-            assert int(ws.page_count[row, h]) == n
+            assert int(ws.list_lengths[row, h]) == n
             assert ws.page_list[row, h, :n].tolist() == list(range(n))
 
 
@@ -318,7 +318,7 @@ def test_select_fixed_count(fixed_pages):
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_pages=fixed_pages)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
             assert count == min(n, max(fixed_pages, min(n, 2)))
 
@@ -336,7 +336,7 @@ def test_select_fixed_fraction(fraction):
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_fraction=fraction)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
             assert count == max(min(n, 2), math.ceil(fraction * n))
 
@@ -349,13 +349,13 @@ def test_select_fixed_count_with_ties_keeps_exactly_k(max_pages, long_lanes):
     logmass = torch.full((len(seq_lens), 2, 3, max_pages), 4.1588831)
     logmass[1, 1, :, 5] += 2.0  # one page above the ties
     config = moira.MoiraConfig.paper(selector="fixed", fixed_pages=6)
-    ws = _run_select(logmass, seq_lens, config)
+    ws = _run_select(logmass, seq_lens, config, launch=long_lanes)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_pages=6)
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert count == 6
             assert ws.page_list[row, h, :count].tolist() == expected.tolist()
     assert ws.page_list[0, 0, :6].tolist() == [0] + list(range(max_pages - 5, max_pages))
@@ -376,15 +376,15 @@ def test_set_selector_switches_in_place():
         moira.MoiraConfig.paper(selector="fixed", fixed_pages=3),
     ):
         ws.set_selector(config)
-        moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+        moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.list_lengths,
                            ws.selector_params, len(seq_lens), max_pages, ws.read_stats)  # fmt: skip
         for row, seq_len in enumerate(seq_lens):
             n = math.ceil(seq_len / PAGE)
             expected = n if config.selector == "coverage" else 3
-            assert ws.page_count[row].tolist() == [expected, expected]
+            assert ws.list_lengths[row].tolist() == [expected, expected]
     assert ws.selector_params.data_ptr() == params
     with pytest.raises(ValueError, match="cannot change"):
-        ws.set_selector(moira.MoiraConfig.paper(min_chunk_pages=5))
+        ws.set_selector(moira.MoiraConfig.paper(attend_fill_blocks=5))
 
 
 def test_select_rows_longer_than_4096_pages():
@@ -397,7 +397,7 @@ def test_select_rows_longer_than_4096_pages():
         n = math.ceil(seq_len / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         expected = ref.select_pages(pibar[0], gamma=0.98)
-        count = int(ws.page_count[row, 0])
+        count = int(ws.list_lengths[row, 0])
         assert ws.page_list[row, 0, :count].tolist() == expected.tolist()
 
 
@@ -420,14 +420,14 @@ def _gamma_one_step(config, seq_lens, group, head_size, layout):
      ("head_major", 8, 128)],
 )  # fmt: skip
 def test_gamma_one_equals_dense(layout, group, head_size):
-    # Rows: 1 token, one page, C pages exactly, J*C + 1 pages (J = 3 here),
-    # a ragged row, and a padded row (seq_len 0, must stay untouched).
-    config = moira.MoiraConfig.paper(gamma=1.0, **SMALL_SPLITS)
+    # Rows: 1 token, one page, 2 and 7 pages, a ragged row, and a padded row
+    # (seq_len 0, must stay untouched).
+    config = moira.MoiraConfig.paper(gamma=1.0, **SMALL_FILL)
     seq_lens = [1, 64, 2 * PAGE, (3 * 2 + 1) * PAGE, 64 * 4 + 17, 0]
     out, dense, ws = _gamma_one_step(config, seq_lens, group, head_size, layout)
     for row, seq_len in enumerate(seq_lens[:-1]):
         n = math.ceil(seq_len / PAGE)
-        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.list_lengths[row].tolist() == [n, n]
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
                                rtol=BF16_RTOL)  # fmt: skip
     assert torch.all(out[-1] == 7.0), "padded row was written"
@@ -451,12 +451,10 @@ def _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens):
         ("head_major", 4, "random", 0.98, DEFAULT_ESTIMATOR),
         ("token_major", 3, "outlier", 0.98, "mvar"),
         ("head_major", 4, "concentrated", 0.95, "mvar"),
-        ("token_major", 3, "concentrated", 0.98, "mvar_rem"),
-        ("head_major", 4, "outlier", 0.95, "mvar_top2"),
     ],
 )
 def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimator):
-    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, **SMALL_FILL)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern,
                                               estimator=estimator)  # fmt: skip
@@ -467,45 +465,67 @@ def test_sparse_decode_matches_reference(layout, group, pattern, gamma, estimato
                                         estimator=estimator)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
     torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
 def test_attend_accepts_any_page_list():
     """attend() runs other selectors' lists (here: every other page)."""
-    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(**SMALL_FILL)
     seq_lens = [64 * 9 + 5, 64 * 3]
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "token_major")
     ws = moira.MoiraWorkspace(2, 4, 2, 64, table.shape[1], config, "cpu")
     lists = [[torch.tensor([0, 2, 4, 6, 8, 9])] * 2, [torch.tensor([1])] * 2]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     out = torch.empty_like(query)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125)
     _assert_attend_equals_reference(out, query, kv, table, lists, seq_lens)
 
 
-def test_attend_stages_follow_the_kv_cache_unless_set(monkeypatch):
-    # num_stages None: 3 for bf16 pages, 5 for fp8 ones (half the bytes per stage);
-    # a number (a sweep's candidate) applies to both.
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "num_stages", None)
-    assert moira.attend_num_stages(kv_fp8=False) == moira.ATTEND_STAGES_BY_KV["bf16"] == 3
-    assert moira.attend_num_stages(kv_fp8=True) == moira.ATTEND_STAGES_BY_KV["fp8"] == 5
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "num_stages", 2)
-    assert moira.attend_num_stages(kv_fp8=True) == moira.attend_num_stages(kv_fp8=False) == 2
+def test_launches_are_functions_of_the_shapes_with_overrides():
+    # Attend: 3 stages on bf16 pages, 5 on fp8 ones (half the bytes per stage); an
+    # override (a sweep's candidate) applies to both. Estimate: 64-page programs for
+    # mvar on int8 summaries, 32 otherwise. Nothing is module state: a call with
+    # overrides leaves the next call's defaults as they were.
+    assert moira.attend_launch(kv_fp8=False) == moira.AttendLaunch(4, 3, 168)
+    assert moira.attend_launch(kv_fp8=True).num_stages == 5
+    assert moira.attend_launch(True, {"num_stages": 2}).num_stages == 2
+    assert moira.attend_launch(kv_fp8=True).num_stages == 5
+    assert moira.estimate_launch(0, True).tile_pages == 64
+    assert moira.estimate_launch(0, False).tile_pages == 32
+    assert moira.estimate_launch(8, True) == moira.EstimateLaunch(32, 2, 3, 128)
+    assert moira.estimate_launch(0, True, {"tile_pages": 16}).tile_pages == 16
+    assert moira.writer_launch().num_warps == moira.estimate_launch(8, True).num_warps
+    assert moira.select_launch(4096, 1) == moira.SelectLaunch(lanes=8, num_warps=16)
+    assert moira.select_launch(4096, 2) == moira.SelectLaunch(lanes=1, num_warps=16)
+    assert moira.select_launch(256, 1) == moira.SelectLaunch(lanes=8, num_warps=4)
+    assert moira.refine_launch() == moira.RefineLaunch(16, 3, 4, 4096)
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ({"attend": {"tile_pages": 2}}, r"attend launch overrides \['tile_pages'\] are not among "
+                                        r"\['maxnreg', 'num_stages', 'num_warps'\]"),
+        ({"estimate": {"tile_pages": 48}}, r"estimate launch tile_pages must be a power of two"),
+        ({"select": {"long_lanes": 3}}, r"select launch long_lanes must be a power of two"),
+        ({"refine": {"pipeline_stages": 0}}, r"refine launch pipeline_stages must be an "
+                                             r"integer in 1\.\.6, got 0"),
+        ({"merge": {}}, r"launch overrides for \['merge'\]; kernels: \('writer', 'estimate'"),
+        ({"step": {"early_trigger": True}}, r"step launch overrides \['early_trigger'\]"),
+    ],
+)  # fmt: skip
+def test_workspace_refuses_unknown_launch_overrides(launch, message):
+    with pytest.raises(ValueError, match=message):
+        moira.MoiraWorkspace(1, 2, 1, 64, 4, moira.MoiraConfig.paper(), "cpu", launch=launch)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
-@pytest.mark.parametrize("tile_pages", [2, 4])
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
-def test_attend_tile_pages_matches_reference(schedule, tile_pages, kv_dtype, monkeypatch):
-    """ATTEND_LAUNCH["tile_pages"] > 1 gathers several list entries into one
-    K/V tile: lists whose lengths are not multiples of the tile (1, 3, 5, 6
-    pages), entries out of order, a partial last page, and (``pages``, 4
-    blocks) runs that cut lists at odd positions all equal the reference."""
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "tile_pages", tile_pages)
-    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 4}
-    config = moira.MoiraConfig.paper(attend_schedule=schedule, **splits)
+def test_attend_uneven_lists_match_reference(kv_dtype):
+    """Lists of 1, 3, 5 and 6 pages, entries out of order, a partial last page,
+    and 4 blocks whose runs cut lists at odd positions all equal the reference."""
+    config = moira.MoiraConfig.paper(attend_fill_blocks=4)
     seq_lens = [64 * 9 + 5, 64 * 3, 64 * 6]
     kv, _, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", seed=5)
     scales = {}
@@ -518,76 +538,12 @@ def test_attend_tile_pages_matches_reference(schedule, tile_pages, kv_dtype, mon
         [torch.tensor([1]), torch.tensor([2, 0, 1])],
         [torch.tensor([5, 0, 3]), torch.tensor([0, 1, 2, 3, 4, 5])],
     ]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125, **scales)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125, **scales)
     kv_values = ref.dequantize_kv_cache(kv, **scales) if scales else kv
     _assert_attend_equals_reference(out, query, kv_values, table, lists, seq_lens)
-
-
-def test_attend_tile_pages_outside_the_allowed_values_is_refused(monkeypatch):
-    monkeypatch.setitem(moira.ATTEND_LAUNCH, "tile_pages", 3)
-    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
-    kv, _, table, seq, query = _batch([64 * 2], 1, 1, 64, "token_major")
-    page_list, page_count = pack_page_lists([[torch.tensor([0, 1])]], table.shape[1])
-    ws = moira.MoiraWorkspace(1, 1, 1, 64, table.shape[1], config, "cpu")
-    with pytest.raises(ValueError, match=r"tile_pages'\] must be one of \(1, 2, 4\), got 3"):
-        moira.attend(query, kv, table, seq, page_list, page_count, torch.empty_like(query), ws,
-                     0.125)  # fmt: skip
-
-
-def _chunks_written(ws, row, num_splits, num_q_heads):
-    """Chunks of ``row`` whose partial LSE Attend wrote (buffers start NaN)."""
-    lse = ws.partial_lse[row * num_splits : (row + 1) * num_splits, :num_q_heads]
-    return int(lse.isfinite().all(dim=1).sum())
-
-
-@pytest.mark.slow
-def test_default_split_constants_single_and_multi_chunk():
-    """Eq. 4 exactly (attend_fill_blocks=1) with C=24, N_J=32, N_T=4096: a
-    24-page row is one chunk written by Attend directly; a 25-page row is
-    two chunks combined by Merge."""
-    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=1)
-    seq_lens = [24 * PAGE, 25 * PAGE]
-    kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "head_major")
-    ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
-    ws.partial_lse.fill_(float("nan"))
-    num_splits = config.num_splits(2, 1)
-    assert num_splits == 2048
-    out = torch.empty_like(query)
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-    dense = ref.dense_decode(query, kv, table, seq, 0.125)
-    torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
-    assert _chunks_written(ws, 0, num_splits, 2) == 0  # one chunk: written to out
-    assert _chunks_written(ws, 1, num_splits, 2) == 2
-
-
-@pytest.mark.parametrize(
-    ("pages", "fill_blocks", "chunks"),
-    [([24, 25], 1, [0, 2]), ([24, 25], 512, [24, 25]), ([24, 25], 16, [6, 7]),
-     ([10, 40], 10, [2, 8])],
-)  # fmt: skip
-@pytest.mark.slow
-def test_fill_rule_cuts_a_small_batch_into_smaller_chunks(pages, fill_blocks, chunks):
-    """attend_fill_blocks N_F: lists of 24 and 25 pages (49 in the step)
-    cannot give N_F blocks of C = 24 pages, so chunks shrink to ceil(49 / N_F)
-    pages: one page at 512 (24 and 25 chunks), 4 pages at 16 (6
-    and 7 chunks); N_F = 1 is Eq. 4. The chunk size is the step's, not each
-    list's: lists of 10 and 40 pages at N_F = 10 both get 5-page chunks (2 and
-    8 of them). The output equals dense attention each time."""
-    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=fill_blocks)
-    seq_lens = [n * PAGE for n in pages]
-    kv, summaries, table, seq, query = _batch(seq_lens, 1, 2, 64, "token_major", seed=3)
-    ws = moira.MoiraWorkspace(2, 2, 1, 64, table.shape[1], config, "cpu")
-    ws.partial_lse.fill_(float("nan"))
-    num_splits = config.num_splits(2, 1)
-    out = torch.empty_like(query)
-    moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-    dense = ref.dense_decode(query, kv, table, seq, 0.125)
-    torch.testing.assert_close(out.float(), dense, atol=BF16_ATOL, rtol=BF16_RTOL)
-    written = [_chunks_written(ws, row, num_splits, 2) for row in range(2)]
-    assert written == chunks
 
 
 def test_fill_blocks_default_is_the_blocks_the_device_holds():
@@ -601,21 +557,21 @@ def test_fill_blocks_default_is_the_blocks_the_device_holds():
 
 def test_step_list_pages_sum_the_lists_and_attend_agrees_without_them():
     """Select leaves the sum of the step's list lengths in
-    workspace.list_pages (Estimate zeroes it first, so a second step does not
+    workspace.kept_total (Estimate zeroes it first, so a second step does not
     accumulate); attend() without it sums the counts itself and gives the
     same output bit for bit."""
-    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_FILL)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
     ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     for _ in range(2):
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-        assert int(ws.list_pages[0]) == int(ws.page_count[:4].sum())
-    ws.list_pages.fill_(-5)
+        assert int(ws.kept_total[0]) == int(ws.list_lengths[:4].sum())
+    ws.kept_total.fill_(-5)
     again = torch.full_like(out, float("nan"))
-    moira.attend(query, kv, table, seq, ws.page_list, ws.page_count, again, ws, 0.125)
-    assert int(ws.list_pages[0]) == int(ws.page_count[:4].sum())
+    moira.attend(query, kv, table, seq, ws.page_list, ws.list_lengths, again, ws, 0.125)
+    assert int(ws.kept_total[0]) == int(ws.list_lengths[:4].sum())
     assert torch.equal(again, out)
 
 
@@ -624,7 +580,7 @@ def test_dense_batch_tokens_reads_short_rows_whole():
     (their log-masses stay unwritten) and keep every page; longer rows in
     the same batch go through the coverage rule as usual."""
     seq_lens = [64 * 3 + 5, 64 * 12, 64 * 20]  # 4, 12, 20 pages; x 3 rows: 12, 36, 60
-    config = moira.MoiraConfig.paper(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.5, dense_batch_tokens=40 * PAGE, **SMALL_FILL)
     kv, summaries, table, seq, query = _batch(seq_lens, 2, 3, 64, "head_major", "concentrated")
     ws = moira.MoiraWorkspace(3, 6, 2, 64, table.shape[1], config, "cpu")
     ws.logmass.fill_(float("nan"))
@@ -635,13 +591,13 @@ def test_dense_batch_tokens_reads_short_rows_whole():
                                         estimator=config.estimator)  # fmt: skip
     for row in (0, 1):
         n = math.ceil(seq_lens[row] / PAGE)
-        assert ws.page_count[row].tolist() == [n, n]
+        assert ws.list_lengths[row].tolist() == [n, n]
         assert ws.page_list[row, :, :n].tolist() == [list(range(n))] * 2
         assert ws.logmass[row].isnan().all(), "Estimate ran on a dense row"
         torch.testing.assert_close(out[row].float(), dense[row], atol=BF16_ATOL,
                                    rtol=BF16_RTOL)  # fmt: skip
     for h in range(2):
-        count = int(ws.page_count[2, h])
+        count = int(ws.list_lengths[2, h])
         assert ws.page_list[2, h, :count].tolist() == lists[2][h].tolist()
         assert count < 20, "the long row should be sparse at gamma=0.5"
     torch.testing.assert_close(out[2].float(), expected[2], atol=BF16_ATOL, rtol=BF16_RTOL)
@@ -651,17 +607,17 @@ def test_dense_batch_tokens_reads_short_rows_whole():
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
     for row in range(3):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
 # --------------------------------------------------------------------------
-# Attend's "pages" schedule: N_F blocks share the step's pages evenly
+# Attend's schedule: N_F blocks share the step's pages evenly
 # --------------------------------------------------------------------------
-def _page_schedule_parts(page_count, num_blocks):
-    """Parts (one per block and list it touches) of every list under the
-    "pages" schedule, computed on the host from the lengths."""
-    counts = [int(c) for c in page_count.flatten()]
+def _page_schedule_parts(list_lengths, num_blocks):
+    """Parts (one per block and list it touches) of every list, computed on the
+    host from the lengths."""
+    counts = [int(c) for c in list_lengths.flatten()]
     total = sum(counts)
     chunk = max(-(-total // num_blocks), 1)
     parts, first = [], 0
@@ -677,12 +633,10 @@ def _page_schedule_parts(page_count, num_blocks):
      ("head_major", 8, 128, 396), ("head_major", 3, 64, 10)],
 )  # fmt: skip
 def test_page_schedule_gamma_one_equals_dense(layout, group, head_size, fill_blocks):
-    """Every page kept: the "pages" schedule equals dense attention for 1, a
-    few and more blocks than pages (1-token, 1-page, ragged and padded rows),
+    """Every page kept: Attend equals dense attention for 1, a few and more
+    blocks than pages (1-token, 1-page, ragged and padded rows),
     and leaves the padded row untouched."""
-    config = moira.MoiraConfig.paper(
-        gamma=1.0, attend_schedule="pages", attend_fill_blocks=fill_blocks
-    )
+    config = moira.MoiraConfig.paper(gamma=1.0, attend_fill_blocks=fill_blocks)
     seq_lens = [1, 64, 2 * PAGE, 7 * PAGE, 64 * 4 + 17, 0]
     out, dense, _ = _gamma_one_step(config, seq_lens, group, head_size, layout)
     torch.testing.assert_close(out[:-1].float(), dense[:-1], atol=BF16_ATOL,
@@ -697,11 +651,9 @@ def test_page_schedule_gamma_one_equals_dense(layout, group, head_size, fill_blo
 )  # fmt: skip
 def test_page_schedule_sparse_decode_matches_reference(layout, group, pattern, gamma,
                                                        fill_blocks):  # fmt: skip
-    """The coverage rule's lists attended under the "pages" schedule equal the
-    reference step (its lists are Select's, so only Attend and Merge differ)."""
-    config = moira.MoiraConfig.paper(
-        gamma=gamma, attend_schedule="pages", attend_fill_blocks=fill_blocks
-    )
+    """The coverage rule's lists attended over N_F blocks equal the reference
+    step (its lists are Select's, so only Attend and Merge differ)."""
+    config = moira.MoiraConfig.paper(gamma=gamma, attend_fill_blocks=fill_blocks)
     seq_lens = [64 * 12, 64 * 7 + 3, 100, 1]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, pattern)
     ws = moira.MoiraWorkspace(4, 2 * group, 2, 64, table.shape[1], config, "cpu")
@@ -715,11 +667,11 @@ def test_page_schedule_sparse_decode_matches_reference(layout, group, pattern, g
 @pytest.mark.parametrize("fill_blocks", [1, 4, 6, 40])
 def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
     """attend() with uneven lists, empty ones among them (first, middle and
-    last list), under the "pages" schedule: each list's output equals the
+    last list): each list's output equals the
     reference over its pages, lists of no pages leave their output as it
     was, and Attend wrote a partial slot exactly for each part of a list
     that spans several blocks (slots start NaN)."""
-    config = moira.MoiraConfig.paper(attend_schedule="pages", attend_fill_blocks=fill_blocks)
+    config = moira.MoiraConfig.paper(attend_fill_blocks=fill_blocks)
     seq_lens = [64 * 9 + 5, 64 * 3, 64 * 14]
     kv, _, table, seq, query = _batch(seq_lens, 2, 2, 64, "head_major", seed=4)
     ws = moira.MoiraWorkspace(3, 4, 2, 64, table.shape[1], config, "cpu")
@@ -729,9 +681,9 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
         [torch.tensor([0, 1, 2]), torch.tensor([], dtype=torch.long)],
         [torch.arange(14), torch.tensor([0, 5, 13])],
     ]
-    page_list, page_count = pack_page_lists(lists, table.shape[1])
+    page_list, list_lengths = pack_page_lists(lists, table.shape[1])
     out = torch.full(query.shape, 5.0, dtype=torch.bfloat16)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, 0.125)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, 0.125)
     for row, seq_len in enumerate(seq_lens):
         keys, values = ref.row_keys_values(kv, table[row], seq_len)
         for h in range(2):
@@ -743,25 +695,9 @@ def test_page_schedule_runs_cross_lists_and_skip_empty_ones(fill_blocks):
             expected, _ = ref.attend_pages(query[row], keys, values, same_list, seq_len, 0.125)
             torch.testing.assert_close(out[row, heads].float(), expected[heads],
                                        atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
-    parts = _page_schedule_parts(page_count, fill_blocks)
+    parts = _page_schedule_parts(list_lengths, fill_blocks)
     written = ws.partial_lse.view(-1, 2)[:, 0].isfinite()  # slot (block + list) x G heads
     assert int(written.sum()) == sum(p for p in parts if p > 1)
-
-
-@pytest.mark.slow
-def test_page_schedule_equals_list_schedule_within_rounding():
-    """The two schedules attend the same lists; only the order of the online
-    softmax differs, so the outputs agree to bf16 rounding."""
-    seq_lens = [64 * 30, 64 * 3 + 9, 64 * 17, 64]
-    kv, summaries, table, seq, query = _batch(seq_lens, 2, 4, 64, "token_major", "concentrated")
-    outs = []
-    for schedule in moira.MOIRA_ATTEND_SCHEDULES:
-        config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, attend_fill_blocks=6)
-        ws = moira.MoiraWorkspace(4, 8, 2, 64, table.shape[1], config, "cpu")
-        out = torch.empty_like(query)
-        moira.moira_decode(query, kv, summaries, table, seq, out, ws, 0.125)
-        outs.append(out.float())
-    torch.testing.assert_close(outs[0], outs[1], atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
 def test_merge_matches_reference_lse_combine():
@@ -789,10 +725,8 @@ def test_merge_matches_reference_lse_combine():
         (dict(selector="fixed", fixed_fraction=1.5), "fixed_fraction must be in"),
         (dict(selector="fixed", fixed_pages=3, fixed_fraction=0.5), "exactly one of"),
         (dict(fixed_pages=4), "only used with selector='fixed'"),
-        (dict(min_chunk_pages=0), "min_chunk_pages must be an integer >= 1"),
         (dict(attend_fill_blocks=-1), "attend_fill_blocks must be an integer >= 0"),
         (dict(dense_batch_tokens=-64), "dense_batch_tokens must be an integer >= 0"),
-        (dict(attend_schedule="even"), "attend_schedule must be one of \\('lists', 'pages'\\)"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):
@@ -819,22 +753,19 @@ def test_workspace_rejects_unsupported_geometry():
 # Tensor parallelism: per-rank KV-head shards
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("schedule", ["lists", "pages"])
 @pytest.mark.slow
-def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
+def test_tensor_parallel_shards_equal_the_unsharded_step(layout):
     """vLLM's tensor parallelism gives each rank a contiguous block of KV heads
     with their G query heads, its own KV cache, summaries and workspace. Every
     Moira step is per (row, KV head), so each rank's step on its shard must
-    give bitwise the page lists and read counts of the unsharded step, and
-    under Alg. 2's chunks per list bitwise its outputs. Under the "pages"
-    schedule a rank's runs follow its own total pages, so a list may be cut
+    give bitwise the page lists and read counts of the unsharded step. A
+    rank's Attend runs follow its own total pages, so a list may be cut
     elsewhere than in the unsharded step: outputs agree to rounding."""
     tp, num_kv_heads, group, head_size = 2, 4, 3, 64
     seq_lens = [1, 64, 64 * 9 + 5, 64 * 30, 64 * 17 + 63]
     kv, summaries, table, seq, query = _batch(seq_lens, num_kv_heads, group, head_size, layout,
                                               pattern="concentrated")  # fmt: skip
-    splits = SMALL_SPLITS if schedule == "lists" else {"attend_fill_blocks": 5}
-    config = moira.MoiraConfig.paper(gamma=0.95, attend_schedule=schedule, **splits)
+    config = moira.MoiraConfig.paper(gamma=0.95, **SMALL_FILL)
     scale = head_size**-0.5
     whole = moira.MoiraWorkspace(8, num_kv_heads * group, num_kv_heads, head_size,
                                  table.shape[1], config, "cpu")  # fmt: skip
@@ -855,15 +786,12 @@ def test_tensor_parallel_shards_equal_the_unsharded_step(layout, schedule):
         out = torch.zeros_like(query_rank)
         moira.moira_decode(query_rank, kv_rank, summaries_rank, table, seq, out, ws, scale)
         rows = len(seq_lens)
-        if schedule == "lists":
-            assert torch.equal(out, out_whole[:, q_heads])
-        else:
-            torch.testing.assert_close(out.float(), out_whole[:, q_heads].float(),
-                                       atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
-        assert torch.equal(ws.page_count[:rows], whole.page_count[:rows, kv_heads])
+        torch.testing.assert_close(out.float(), out_whole[:, q_heads].float(),
+                                   atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
+        assert torch.equal(ws.list_lengths[:rows], whole.list_lengths[:rows, kv_heads])
         for row in range(rows):
             for h in range(heads_per_rank):
-                n = int(ws.page_count[row, h])
+                n = int(ws.list_lengths[row, h])
                 assert torch.equal(ws.page_list[row, h, :n],
                                    whole.page_list[row, kv_heads.start + h, :n])  # fmt: skip
         kept += int(ws.read_stats[0])
@@ -879,7 +807,7 @@ def test_decode_step_padded_query_rows_raise_no_numpy_warnings():
     import warnings
 
     kv, summaries, table, seq, query = _batch([64 * 9 + 5, 64 * 3, 1], 2, 3, 64, "token_major")
-    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.9, **SMALL_FILL)
     ws = moira.MoiraWorkspace(4, 6, 2, 64, table.shape[1], config, "cpu")
     out = torch.zeros_like(query)
     with warnings.catch_warnings(record=True) as caught:

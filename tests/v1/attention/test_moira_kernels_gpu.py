@@ -5,8 +5,8 @@ Run with ``MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention`` after
 ``build.sh``; the checks are the ones ``benchmarks/moira_correctness.py``
 records in ``benchmarks/results/correctness_h200.json``.
 ``MOIRA_TEST_ESTIMATE_LAUNCH='{"maxnreg": 128}'`` runs them under a candidate
-Estimate launch (a JSON dict of ESTIMATE_LAUNCH changes) before it becomes the
-default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for ATTEND_LAUNCH.
+Estimate launch (a JSON dict of Estimate launch overrides) before it becomes the
+default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for Attend's.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_select_lists_equal_reference(case):
     assert result["sparse_vs_fp32_max_abs_diff"] < 1.6e-2, result
 
 
-@pytest.mark.parametrize("name", ["int8:mvar_top4", "int8:mvar_top8", "int4:mvar_top8"])
+@pytest.mark.parametrize("name", ["int8:mvar", "int8:mvar_top8", "int4:mvar_top8"])
 def test_int8_summaries_match_reference(case, name):
     # MOIRA_SUMMARY_DTYPE=int8: the writer's values within one int8 step of the
     # reference's quantization (fp32 summation order), Estimate on the stored values
@@ -109,9 +109,8 @@ def test_layouts_bitwise_equal(case):
     assert mc.check_layouts(case)["bitwise_equal"]
 
 
-# Small batches with the serving backend's settings: the Attend fill rule cuts
-# batch-1 lists into small chunks, and rows of context x batch <= 36864 tokens
-# take the dense-row path (identity lists, no Estimate work).
+# Small batches with the serving backend's settings: rows of context x batch <= 36864
+# tokens take the dense-row path (identity lists, no Estimate work).
 SMALL_BATCH_SHAPES = [(1, 2048), (1, 65536), (2, 12288)]
 
 
@@ -155,76 +154,7 @@ def test_small_batch_dependent_launches_equal_plain_launches_bitwise(small_case)
     assert result["eager_equal_bits"] and result["graph_equal_bits"], result
 
 
-# Attend's "pages" schedule (MoiraConfig.attend_schedule; the backend's
-# default, MoiraConfig's is Alg. 2's "lists"): the same bars at the real shapes.
-def _page_schedule(**changes):
-    from vllm.v1.attention.backends import moira
-
-    return moira.MoiraConfig.paper(attend_schedule="pages", **changes)
-
-
-def test_page_schedule_gamma_one_matches_fa3_within_one_ulp(case):
-    from benchmarks import moira_correctness as mc
-
-    result = mc.check_gamma_one(case, _page_schedule(gamma=1.0))
-    assert result["keeps_every_page"] and result["all_finite"], result
-    assert result["max_abs_diff_vs_fa3"] <= result["bound_one_bf16_ulp"], result
-    assert result["max_abs_diff_moira_vs_fp32"] <= (
-        1.25 * result["max_abs_diff_fa3_vs_fp32"] + 1e-4
-    ), result
-
-
-def test_page_schedule_graph_replay_equals_eager_bitwise(case):
-    from benchmarks import moira_correctness as mc
-
-    for name, result in mc.check_graph_replay(case, config=_page_schedule(gamma=0.98)).items():
-        assert result["bitwise_equal"] and result["lists_equal"], name
-
-
-def test_page_schedule_dependent_launches_equal_plain_launches_bitwise(case):
-    from benchmarks import moira_correctness as mc
-
-    result = mc.check_dependent_launches(case, config=_page_schedule(gamma=0.98))
-    assert result["eager_equal_bits"] and result["graph_equal_bits"], result
-
-
-def test_list_schedule_small_batch_gamma_one_and_graph_replay(small_case):
-    # The small-batch tests above run the backend's default ("pages"); this
-    # one runs Alg. 2's chunks per list under the backend's other settings.
-    from benchmarks import moira_correctness as mc
-
-    result = mc.check_gamma_one(small_case, _backend_config(gamma=1.0, attend_schedule="lists"))
-    assert result["keeps_every_page"] and result["all_finite"], result
-    assert result["max_abs_diff_vs_fa3"] <= result["bound_one_bf16_ulp"], result
-    config = _backend_config(attend_schedule="lists")
-    for name, result in mc.check_graph_replay(small_case, config=config).items():
-        assert result["bitwise_equal"] and result["lists_equal"], name
-
-
-def test_int8_to_fp16_by_byte_permutes_is_exact():
-    # Estimate's int8 -> fp16 conversion by byte permutes (inline PTX, which
-    # the CPU interpreter cannot run): every byte value, at every position of
-    # a [TILE_PAGES, D] tile as Estimate loads it.
-    import torch
-    import triton
-    import triton.language as tl
-    from vllm.v1.attention.backends import moira
-
-    @triton.jit
-    def kernel_convert(src_ptr, dst_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
-        offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-        tl.store(dst_ptr + offs, moira._int8_to_fp16(tl.load(src_ptr + offs), True))
-
-    gen = torch.Generator().manual_seed(0)
-    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
-    src = values[torch.randperm(256, generator=gen).repeat(16)].view(32, 128).cuda()
-    for warps in (1, 2, 4):
-        dst = torch.full((32, 128), 99.0, dtype=torch.float16, device="cuda")
-        kernel_convert[(1,)](src, dst, ROWS=32, COLS=128, num_warps=warps)
-        assert torch.equal(dst, src.to(torch.float16)), warps
-
-
-@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4", "int4:mvar_top8"])
+@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top8", "int4:mvar_top8"])
 def test_estimate_writes_filled_pages_like_the_writer(name):
     # The decode step's summary write (Estimate, write_filled_pages) stores the
     # bits that write_page_summaries stores for the same page: on the GPU the
@@ -272,7 +202,7 @@ def _kernel_fresh_for_the_hook(out_ptr, VALUE: tl.constexpr):
 _hook_check_values = itertools.count(1)
 
 
-@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top4"])
+@pytest.mark.parametrize("name", ["int8:mvar_top8", "int8:mvar", "mvar_top8"])
 def test_summary_writer_warm_up_covers_every_prefill_slice(name):
     # After warm_up_summary_writer (run at KV bind time), prefill slices that
     # start after an odd number of decode tokens (slot mapping not 16-byte
@@ -357,11 +287,11 @@ def test_refine_log_masses_and_lists_equal_reference(wide_case):
         {"pipeline_stages": 3, "tile_pages": 16, "step_programs": 32},
     ],
 )
-def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monkeypatch):
-    # The pipelined refine loop (REFINE_LAUNCH's default, 3 stages, and the
+def test_pipelined_refine_equals_the_unpipelined_loop_bitwise(wide_case, launch):
+    # The pipelined refine loop (the refine launch's default, 3 stages, and the
     # moira_correctness.REFINE_SWEEP candidates, smaller tiles among them, and
     # programs that take several tiles): the same log-masses and lists as the
-    # serial loop over 64-page tiles, bit for bit.
+    # unpipelined loop (1 stage) over 64-page tiles, bit for bit.
     import torch
     from vllm.v1.attention.backends import moira
 
@@ -369,15 +299,12 @@ def test_pipelined_refine_equals_the_serial_loop_bitwise(wide_case, launch, monk
 
     config = moira.MoiraConfig.paper(gamma=0.98, refine="wide")
     results = []
-    default = dict(moira.REFINE_LAUNCH)
-    for changes in ({"pipeline_stages": 0, "tile_pages": 64}, launch):
-        for key, value in {**default, **changes}.items():
-            monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
-        ws = mc.workspace(wide_case, config)
+    for changes in ({"pipeline_stages": 1, "tile_pages": 64}, launch):
+        ws = mc.workspace(wide_case, config, mc.with_launch(refine=changes))
         moira.estimate_and_select(wide_case["query"], wide_case["kv"], wide_case["summaries"],
                                   wide_case["table"], wide_case["seq"], ws, mc.SCALE)  # fmt: skip
         torch.cuda.synchronize()
-        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
+        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.list_lengths.clone()))
     (lm0, list0, count0), (lm1, list1, count1) = results
     assert torch.equal(count0, count1)
     for row, n in enumerate(wide_case["seq_lens"]):

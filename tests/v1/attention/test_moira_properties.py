@@ -39,11 +39,8 @@ from tests.v1.attention.moira_test_utils import (
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-# attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
-# their boundaries (the fill rule has tests of its own).
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks, so that CPU-sized lists are cut over several blocks (Merge runs).
+SMALL_FILL = dict(attend_fill_blocks=5)
 BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2
 # Estimate is fp32 on both sides; only the summation order differs.
 LOGMASS_ATOL, LOGMASS_RTOL = 1e-4, 1e-4
@@ -160,7 +157,7 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def _lists(ws, row, num_kv_heads):
     return [
-        ws.page_list[row, h, : int(ws.page_count[row, h])].tolist() for h in range(num_kv_heads)
+        ws.page_list[row, h, : int(ws.list_lengths[row, h])].tolist() for h in range(num_kv_heads)
     ]
 
 
@@ -238,14 +235,14 @@ def test_select_property(case):
     ws.logmass.copy_(logmass)
     ws.page_list.fill_(-7)
     seq = torch.tensor(case["seq_lens"], dtype=torch.int32)
-    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.list_lengths,
                        ws.selector_params, rows, mp, ws.read_stats)  # fmt: skip
     total_pages = 0
     for row, seq_len in enumerate(case["seq_lens"]):
         n = math.ceil(seq_len / PAGE)
         total_pages += n * hkv
         if n == 0:
-            assert ws.page_count[row].tolist() == [0] * hkv
+            assert ws.list_lengths[row].tolist() == [0] * hkv
             continue
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(hkv):
@@ -255,7 +252,7 @@ def test_select_property(case):
                 assert got == expected.tolist(), (row, h)
             else:
                 _assert_same_top_k(got, expected.tolist(), pibar[h])
-    assert ws.read_stats.tolist() == [int(ws.page_count[:rows].sum()), total_pages]
+    assert ws.read_stats.tolist() == [int(ws.list_lengths[:rows].sum()), total_pages]
 
 
 def _assert_same_top_k(got, expected, pibar):
@@ -291,7 +288,7 @@ def decode_cases(draw):
 def test_decode_step_property(case):
     kv, summaries, table, seq, query = build(case)
     seq_lens, hkv, d = case["seq_lens"], case["num_kv_heads"], case["head_size"]
-    config = _config(case, **SMALL_SPLITS)
+    config = _config(case, **SMALL_FILL)
     rows = len(seq_lens)
     ws = moira.MoiraWorkspace(rows + 1, query.shape[1], hkv, d, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
@@ -340,7 +337,7 @@ def test_attend_any_lists_property(case, data):
     seq_lens, hkv, d = case["seq_lens"], case["num_kv_heads"], case["head_size"]
     rows = len(seq_lens)
     page_list = torch.full((rows, hkv, table.shape[1]), -1, dtype=torch.int32)
-    page_count = torch.zeros(rows, hkv, dtype=torch.int32)
+    list_lengths = torch.zeros(rows, hkv, dtype=torch.int32)
     lists = []
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -349,14 +346,14 @@ def test_attend_any_lists_property(case, data):
             pages = data.draw(st.lists(st.integers(0, max(n - 1, 0)), unique=True, max_size=n))
             pages = sorted(pages) if data.draw(st.booleans()) else pages  # any order
             page_list[row, h, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            page_count[row, h] = len(pages)
+            list_lengths[row, h] = len(pages)
             row_lists.append(pages)
         lists.append(row_lists)
-    config = moira.MoiraConfig.paper(**SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(**SMALL_FILL)
     ws = moira.MoiraWorkspace(rows, query.shape[1], hkv, d, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     scale = d**-0.5
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, scale)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, scale)
     group = case["group"]
     for row, seq_len in enumerate(seq_lens):
         keys, values = (None, None)
@@ -422,7 +419,7 @@ def test_block_offsets_beyond_int32(layout):
     query = torch.randn(2, hkv * group, d, generator=gen).to(torch.bfloat16)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     for gamma in (1.0, 0.6):
-        config = moira.MoiraConfig.paper(gamma=gamma, estimator="mvar", **SMALL_SPLITS)
+        config = moira.MoiraConfig.paper(gamma=gamma, estimator="mvar", **SMALL_FILL)
         ws = moira.MoiraWorkspace(2, hkv * group, hkv, d, 5, config, "cpu")
         out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, d**-0.5)

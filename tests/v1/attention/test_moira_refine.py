@@ -14,12 +14,11 @@ from tests.v1.attention.moira_test_utils import full_page_slots, make_decode_bat
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks, so that CPU-sized lists are cut over several blocks (Merge runs).
+SMALL_FILL = dict(attend_fill_blocks=5)
 SCALE = 0.125  # head size 64
 SEQ_LENS = [64 * 12, 64 * 9 + 5, 100, 1]
-# A row over three 16-page refine tiles (REFINE_LAUNCH["tile_pages"]).
+# A row over three 16-page refine tiles (the refine launch's tile_pages).
 TILED_SEQ_LENS = [64 * 40 + 7, 64 * 9 + 5, 100, 1]
 
 
@@ -42,7 +41,7 @@ def _refined_mask(query, kv, summaries, table, seq, gamma, estimator):
 def _assert_lists(ws, lists):
     for row in range(len(SEQ_LENS)):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist()
 
 
@@ -67,9 +66,9 @@ def _run(config, batch, built_with=None):
         (moira.MOIRA_DEFAULT_ESTIMATOR, "int8", 3, "concentrated", 0.98),
         (moira.MOIRA_DEFAULT_ESTIMATOR, "bfloat16", 4, "outlier", 0.95),
         ("mvar", "bfloat16", 3, "concentrated", 0.95),
-        # The refinement is on by default whatever the estimator: one without stored keys
-        # on int8 summaries too.
-        ("mvar_rem", "int8", 4, "outlier", 0.98),
+        # The refinement applies whatever the estimator: one without stored keys on
+        # int8 summaries too.
+        ("mvar", "int8", 4, "outlier", 0.98),
     ],
 )
 def test_refine_lists_and_output_equal_reference(estimator, summary_dtype, group, pattern, gamma):
@@ -82,7 +81,7 @@ def test_refine_lists_and_output_equal_reference(estimator, summary_dtype, group
     candidates = sum(m[:, 1:-1].numel() for m in masks if m is not None)
     assert 0 < refined < candidates  # the case refines some pages, not all
     config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
-                                     refine="wide", **SMALL_SPLITS)  # fmt: skip
+                                     refine="wide", **SMALL_FILL)  # fmt: skip
     ws, out = _run(config, batch)
     fp32_summaries = ref.read_summaries(summaries)
     expected, lists = ref.sparse_decode(query, kv, fp32_summaries, table, seq, SCALE, gamma,
@@ -96,7 +95,7 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
     batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "head_major", estimator, "concentrated",
                               seed=2, query_scale=3.0, summary_dtype="int8")  # fmt: skip
     kv, summaries, table, seq, query = batch
-    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_FILL)
     ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
     moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
     fp32_summaries = ref.read_summaries(summaries)
@@ -120,32 +119,30 @@ def test_refined_pages_carry_their_exact_log_mass_and_the_others_stage_1s():
         {"pipeline_stages": 3},
         {"pipeline_stages": 2, "num_warps": 8},
         {"pipeline_stages": 3, "tile_pages": 16},
-        {"pipeline_stages": 0, "tile_pages": 32},
+        {"pipeline_stages": 1, "tile_pages": 32},
         # One program per list takes all three 16-page tiles of the long row.
         {"pipeline_stages": 3, "tile_pages": 16, "step_programs": 1},
         # Two per list (9 programs over 8 lists): tiles 0 and 2, and tile 1.
-        {"pipeline_stages": 0, "tile_pages": 16, "step_programs": 9},
+        {"pipeline_stages": 1, "tile_pages": 16, "step_programs": 9},
     ],
 )
-def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeypatch):
-    """REFINE_LAUNCH["pipeline_stages"] > 0 (the refined pages compacted, then a
-    software-pipelined loop over them; 3 is the default) and smaller tiles
-    (``tile_pages``: a list's pages over more programs), and programs that take several
-    tiles each (``step_programs``), write the log-masses and lists of the serial loop
-    over 64-page tiles, bit for bit; values outside the allowed ones are refused."""
+def test_refine_launches_give_the_same_log_masses(launch):
+    """The refine launch's pipeline depths (the loop over a tile's compacted refined pages;
+    3 is the default), smaller tiles (``tile_pages``: a list's pages over more programs),
+    and programs that take several tiles each (``step_programs``) write the log-masses
+    and lists of the unpipelined loop over 64-page tiles, bit for bit; values outside
+    the allowed ones are refused."""
     batch = make_decode_batch(TILED_SEQ_LENS, 2, 3, 64, "token_major",
                               moira.MOIRA_DEFAULT_ESTIMATOR, "concentrated", seed=3,
                               query_scale=3.0, summary_dtype="int8")  # fmt: skip
     kv, summaries, table, seq, query = batch
-    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_FILL)
     results = []
-    for changes in ({"pipeline_stages": 0, "tile_pages": 64}, launch):
-        for key, value in {**moira.REFINE_LAUNCH, **changes}.items():
-            monkeypatch.setitem(moira.REFINE_LAUNCH, key, value)
-        ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
+    for changes in ({"pipeline_stages": 1, "tile_pages": 64}, launch):
+        ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu",
+                                  launch={"refine": changes})  # fmt: skip
         moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
-        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.page_count.clone()))
-        monkeypatch.undo()
+        results.append((ws.logmass.clone(), ws.page_list.clone(), ws.list_lengths.clone()))
     masks = _refined_mask(query, kv, summaries, table, seq, 0.98, moira.MOIRA_DEFAULT_ESTIMATOR)
     assert sum(int(m.sum()) for m in masks if m is not None) > 1  # several pages refined
     assert bool(masks[0][..., 16:].any())  # and some beyond the first 16-page tile
@@ -156,18 +153,15 @@ def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeyp
         assert torch.equal(lm0[row, ..., :pages], lm1[row, ..., :pages])
         for h in range(2):
             assert torch.equal(list0[row, h, : count0[row, h]], list1[row, h, : count1[row, h]])
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", 9)
-    ws = moira.MoiraWorkspace(len(TILED_SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
-    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['pipeline_stages'\] must be an integer"):
-        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "pipeline_stages", 3)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 8)
-    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['tile_pages'\] must be one of"):
-        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "tile_pages", 16)
-    monkeypatch.setitem(moira.REFINE_LAUNCH, "step_programs", 0)
-    with pytest.raises(ValueError, match=r"REFINE_LAUNCH\['step_programs'\] must be a positive"):
-        moira.estimate_and_select(query, kv, summaries, table, seq, ws, SCALE)
+    for refine, message in (
+        ({"pipeline_stages": 0}, r"refine launch pipeline_stages must be an integer in 1\.\.6"),
+        ({"pipeline_stages": 9}, r"refine launch pipeline_stages must be an integer in 1\.\.6"),
+        ({"tile_pages": 8}, r"refine launch tile_pages must be one of \(16, 32, 64, 128\)"),
+        ({"step_programs": 0}, r"refine launch step_programs must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            moira.MoiraWorkspace(1, 6, 2, 64, table.shape[1], config, "cpu",
+                                 launch={"refine": refine})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -182,25 +176,26 @@ def test_pipelined_refine_loop_gives_the_serial_loops_log_masses(launch, monkeyp
     ],
 )
 def test_refine_programs_per_list_caps_the_steps_programs(rows, kv_heads, max_pages, expected):
-    """The refine grid's third extent: about REFINE_LAUNCH["step_programs"] (4096)
+    """The refine grid's third extent: about the launch's step_programs (4096)
     programs a step, at most one per tile of max_pages, at least one per list."""
-    assert moira.refine_programs_per_list(rows, kv_heads, max_pages, 16) == expected
+    launch = moira.refine_launch()
+    assert moira.refine_programs_per_list(rows, kv_heads, max_pages, launch) == expected
 
 
 @pytest.mark.parametrize("change", [dict(gamma=1.0), dict(selector="fixed", fixed_pages=3)])
 def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change, monkeypatch):
     batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
                               "concentrated", seed=3, query_scale=3.0)  # fmt: skip
-    base = moira.MoiraConfig.paper(**change, **SMALL_SPLITS)
+    base = moira.MoiraConfig.paper(**change, **SMALL_FILL)
     ws_off, out_off = _run(base, batch)
     # Built for the coverage rule, then switched: the launches stay (a server's graphs)
     # and must refine nothing. A workspace built for a fixed count launches none.
-    wide = moira.MoiraConfig.paper(refine="wide", **SMALL_SPLITS)
+    wide = moira.MoiraConfig.paper(refine="wide", **SMALL_FILL)
     ws_on, out_on = _run(dataclasses.replace(wide, **change), batch, built_with=wide)
-    assert torch.equal(ws_on.page_count, ws_off.page_count)
+    assert torch.equal(ws_on.list_lengths, ws_off.list_lengths)
     for row in range(len(SEQ_LENS)):
         for h in range(2):
-            count = int(ws_on.page_count[row, h])
+            count = int(ws_on.list_lengths[row, h])
             assert torch.equal(ws_on.page_list[row, h, :count], ws_off.page_list[row, h, :count])
     assert torch.equal(out_on, out_off)
     # The first Select marks every list as having nothing to refine.
@@ -217,17 +212,17 @@ def test_refine_leaves_gamma_one_and_fixed_count_lists_alone(change, monkeypatch
         ws_fixed, out_fixed = _run(dataclasses.replace(wide, **change), batch)
         assert calls == ["select_pages"]
         assert ws_fixed.select_stats is None and torch.equal(out_fixed, out_off)
-        assert torch.equal(ws_fixed.page_count, ws_off.page_count)
+        assert torch.equal(ws_fixed.list_lengths, ws_off.list_lengths)
 
 
 def test_refine_counts_each_list_once():
     batch = make_decode_batch(SEQ_LENS, 2, 3, 64, "token_major", moira.MOIRA_DEFAULT_ESTIMATOR,
                               "concentrated", seed=4, query_scale=3.0)  # fmt: skip
-    ws, _ = _run(moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS), batch)
+    ws, _ = _run(moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_FILL), batch)
     kept, total = ws.read_counts()
     assert total == 2 * sum(ref.num_pages(s) for s in SEQ_LENS)
-    assert kept == int(ws.page_count[: len(SEQ_LENS)].sum())
-    assert int(ws.list_pages) == kept
+    assert kept == int(ws.list_lengths[: len(SEQ_LENS)].sum())
+    assert int(ws.kept_total) == kept
 
 
 def test_refine_config_and_constants():
@@ -279,7 +274,7 @@ def test_refine_leaves_dense_rows_whole():
     for row, seq_len in enumerate(SEQ_LENS):
         n = ref.num_pages(seq_len)
         for h in range(2):
-            assert ws.page_list[row, h, : int(ws.page_count[row, h])].tolist() == list(range(n))
+            assert ws.page_list[row, h, : int(ws.list_lengths[row, h])].tolist() == list(range(n))
     assert bool((ws.select_stats[: len(SEQ_LENS), :, 0] == float("inf")).all())
     _, out_off = _run(moira.MoiraConfig(refine="off"), batch)
     assert torch.equal(out, out_off)
@@ -300,7 +295,7 @@ def test_refine_on_an_fp8_cache_equals_the_reference_on_the_dequantized_cache():
     fp32_summaries = ref.read_summaries(summaries)
     masks = _refined_mask(query, deq, summaries, table, seq, 0.98, estimator)
     assert sum(int(m.sum()) for m in masks if m is not None) > 0
-    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=0.98, refine="wide", **SMALL_FILL)
     ws = moira.MoiraWorkspace(len(SEQ_LENS), 6, 2, 64, table.shape[1], config, "cpu")
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.moira_decode(query, kv8, summaries, table, seq, out, ws, SCALE, **scales)

@@ -18,11 +18,8 @@ from tests.v1.attention.moira_test_utils import PAGE, make_block_table, make_kv_
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 
-# attend_fill_blocks=1: chunks exactly as Eq. 4 (C, J), so rows of C and J*C+1 pages hit
-# their boundaries (the fill rule has tests of its own).
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks, so that CPU-sized lists are cut over several blocks (Merge runs).
+SMALL_FILL = dict(attend_fill_blocks=5)
 BF16_ATOL, BF16_RTOL = 8e-3, 1.6e-2
 HKV, GROUP, D = 2, 2, 64
 SCALE = D**-0.5
@@ -46,7 +43,7 @@ def _batch(seq_lens, width=None, layout="token_major", seed=0):
 
 
 def _workspace(rows, width, **config):
-    cfg = moira.MoiraConfig.paper(**{**SMALL_SPLITS, **config})
+    cfg = moira.MoiraConfig.paper(**{**SMALL_FILL, **config})
     return moira.MoiraWorkspace(rows, HKV * GROUP, HKV, D, width, cfg, "cpu")
 
 
@@ -57,7 +54,7 @@ def _check_against_reference(ws, out, kv, summaries, table, seq, query, gamma):
         if seq_len == 0:
             continue
         for h in range(HKV):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist(), (row, h)
         torch.testing.assert_close(out[row].float(), expected[row], atol=BF16_ATOL, rtol=BF16_RTOL)
 
@@ -66,14 +63,14 @@ def test_empty_batch_is_a_noop():
     """B = 0 (a step with no decode rows): no launch, no error, nothing written."""
     kv, summaries, _, _, _ = _batch([PAGE])
     ws = _workspace(4, 3)
-    ws.page_count.fill_(-5)
+    ws.list_lengths.fill_(-5)
     query = torch.empty(0, HKV * GROUP, D, dtype=torch.bfloat16)
     out = torch.empty(0, HKV * GROUP, D, dtype=torch.bfloat16)
     table = torch.zeros(0, 3, dtype=torch.int32)
     seq = torch.zeros(0, dtype=torch.int32)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
-    moira.attend(query, kv, table, seq, ws.page_list, ws.page_count, out, ws, SCALE)
-    assert ws.page_count.eq(-5).all()
+    moira.attend(query, kv, table, seq, ws.page_list, ws.list_lengths, out, ws, SCALE)
+    assert ws.list_lengths.eq(-5).all()
     assert ws.read_stats.tolist() == [0, 0]
     moira.write_page_summaries(kv, summaries, torch.zeros(0, dtype=torch.int64))
 
@@ -86,7 +83,7 @@ def test_all_rows_padded():
     out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
     assert out.eq(7.0).all()
-    assert ws.page_count[:3].eq(0).all()
+    assert ws.list_lengths[:3].eq(0).all()
     assert ws.read_stats.tolist() == [0, 0]
 
 
@@ -99,7 +96,7 @@ def test_one_token_context(config, layout):
     ws = _workspace(3, table.shape[1], **config)
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
-    assert ws.page_count[:3].eq(1).all() and ws.page_list[:3, :, 0].eq(0).all()
+    assert ws.list_lengths[:3].eq(1).all() and ws.page_list[:3, :, 0].eq(0).all()
     for row in range(3):
         v0 = kv[int(table[row, 0]), :, 0, D:]  # [H_kv, D]
         assert torch.equal(out[row], v0.repeat_interleave(GROUP, dim=0)), row
@@ -159,7 +156,7 @@ def test_more_rows_than_workspace_is_refused_before_any_launch(monkeypatch):
     with pytest.raises(ValueError, match=r"3 rows exceed the workspace \(2 rows"):
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
     with pytest.raises(ValueError, match=r"3 decode rows exceed the workspace's max_num_seqs=2"):
-        moira.attend(query, kv, table, seq, ws.page_list, ws.page_count, out, ws, SCALE)
+        moira.attend(query, kv, table, seq, ws.page_list, ws.list_lengths, out, ws, SCALE)
     assert launched == [] and out.eq(3.0).all()
 
 
@@ -186,11 +183,11 @@ def test_empty_page_lists_leave_output_untouched():
     kv, _, table, seq, query = _batch(seq_lens)
     ws = _workspace(2, table.shape[1])
     page_list = torch.zeros(2, HKV, table.shape[1], dtype=torch.int32)
-    page_count = torch.zeros(2, HKV, dtype=torch.int32)
+    list_lengths = torch.zeros(2, HKV, dtype=torch.int32)
     page_list[0, 1, :3] = torch.tensor([0, 1, 2])
-    page_count[0, 1] = 3  # row 0: KV head 0 empty, head 1 every page; row 1: all empty
+    list_lengths[0, 1] = 3  # row 0: KV head 0 empty, head 1 every page; row 1: all empty
     out = torch.full(query.shape, 5.0, dtype=torch.bfloat16)
-    moira.attend(query, kv, table, seq, page_list, page_count, out, ws, SCALE)
+    moira.attend(query, kv, table, seq, page_list, list_lengths, out, ws, SCALE)
     assert out[0, :GROUP].eq(5.0).all() and out[1].eq(5.0).all()
     dense = ref.dense_decode(query, kv, table, seq, SCALE)
     torch.testing.assert_close(out[0, GROUP:].float(), dense[0, GROUP:], atol=BF16_ATOL,
@@ -208,7 +205,7 @@ def test_eager_step_is_deterministic():
         out = torch.empty_like(query)
         moira.moira_decode(query, kv, summaries, table, seq, out, ws, SCALE)
         outs.append(out)
-        lists.append((ws.page_list.clone(), ws.page_count.clone()))
+        lists.append((ws.page_list.clone(), ws.list_lengths.clone()))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(lists[0][1], lists[1][1])
     for row in range(3):

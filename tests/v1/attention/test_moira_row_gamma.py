@@ -16,7 +16,7 @@ from tests.v1.attention.moira_test_utils import PAGE
 from tests.v1.attention.test_moira_kernels import (
     BF16_ATOL,
     BF16_RTOL,
-    SMALL_SPLITS,
+    SMALL_FILL,
     _batch,
     _random_logmass,
 )
@@ -33,7 +33,7 @@ def _select(logmass, seq_lens, config, row_gamma):
     ws.logmass.copy_(logmass)
     ws.set_row_gamma(torch.tensor(row_gamma, dtype=torch.float32), num_rows)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
-    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.page_count,
+    moira.select_pages(ws.logmass, seq, ws.pibar, ws.page_list, ws.list_lengths,
                        ws.selector_params, num_rows, max_pages, ws.read_stats,
                        row_gamma=ws.row_gamma)  # fmt: skip
     return ws
@@ -52,7 +52,7 @@ def test_select_per_row_gamma_matches_reference():
         effective = row_gamma[row] if row_gamma[row] > 0 else SERVER_GAMMA
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             expected = ref.select_pages(pibar[h], gamma=effective)
             assert ws.page_list[row, h, :count].tolist() == expected.tolist(), (row, h)
             if effective >= 1.0:
@@ -64,10 +64,10 @@ def test_select_per_row_gamma_matches_reference():
                                  moira.MoiraConfig.paper(gamma=SERVER_GAMMA), "cpu")  # fmt: skip
     plain.logmass.copy_(logmass)
     moira.select_pages(plain.logmass, torch.tensor(seq_lens, dtype=torch.int32), plain.pibar,
-                       plain.page_list, plain.page_count, plain.selector_params,
+                       plain.page_list, plain.list_lengths, plain.selector_params,
                        len(seq_lens), max_pages, plain.read_stats)  # fmt: skip
     for row in (0, 4):
-        assert torch.equal(ws.page_count[row], plain.page_count[row])
+        assert torch.equal(ws.list_lengths[row], plain.list_lengths[row])
 
 
 def test_fixed_count_selector_ignores_row_gamma():
@@ -82,7 +82,7 @@ def test_fixed_count_selector_ignores_row_gamma():
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         for h in range(2):
             expected = ref.select_pages(pibar[h], fixed_pages=5)
-            assert int(ws.page_count[row, h]) == 5
+            assert int(ws.list_lengths[row, h]) == 5
             assert ws.page_list[row, h, :5].tolist() == expected.tolist()
 
 
@@ -106,7 +106,7 @@ def test_set_row_gamma_resets_later_rows_in_place():
 def test_decode_with_mixed_row_gamma_matches_reference(layout, group):
     """The whole step with one gamma per row: lists and outputs follow the
     reference, the gamma=1 row equals dense attention, the padded row is untouched."""
-    config = moira.MoiraConfig.paper(gamma=SERVER_GAMMA, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=SERVER_GAMMA, **SMALL_FILL)
     seq_lens = [64 * 12, 64 * 12, 64 * 7 + 3, 100, 0]
     row_gamma = [1.0, 0.0, 0.5, 0.95, 0.0]
     kv, summaries, table, seq, query = _batch(seq_lens, 2, group, 64, layout, "concentrated")
@@ -119,10 +119,10 @@ def test_decode_with_mixed_row_gamma_matches_reference(layout, group):
                                         estimator=moira.MOIRA_DEFAULT_ESTIMATOR)  # fmt: skip
     for row in range(len(seq_lens) - 1):
         for h in range(2):
-            count = int(ws.page_count[row, h])
+            count = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :count].tolist() == lists[row][h].tolist(), (row, h)
-    assert ws.page_count[0].tolist() == [12, 12]
-    assert ws.page_count[1].min() < 12, "server-gamma row should be sparse here"
+    assert ws.list_lengths[0].tolist() == [12, 12]
+    assert ws.list_lengths[1].min() < 12, "server-gamma row should be sparse here"
     torch.testing.assert_close(out[:-1].float(), expected[:-1], atol=BF16_ATOL, rtol=BF16_RTOL)
     dense = ref.dense_decode(query, kv, table, seq, 0.125)
     torch.testing.assert_close(out[0].float(), dense[0], atol=BF16_ATOL, rtol=BF16_RTOL)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""int4 stored keys (``MOIRA_SUMMARY_DTYPE=int4``, the ``mvar_top{r}`` estimators) against
+"""int4 stored keys (``MOIRA_SUMMARY_DTYPE=int4``, the ``mvar_top8`` estimator) against
 the float32 reference (CPU interpreter): the packed layout, the writer, Estimate on the
 stored values, storage and configuration (the whole sparse step, with and without the
 refinement, and γ = 1: test_moira_summary_int8.py). docs/estimator.md "Summary layout"."""
@@ -15,7 +15,6 @@ from tests.v1.attention.moira_test_utils import PAGE, make_decode_batch, make_kv
 from tests.v1.attention.test_moira_summary_int8 import check_estimate_int8
 from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.backends.moira import (
-    _int4_key_pair,
     _int4_pair_digit_dots,
     _int8_digit_dot,
     _int8_digits,
@@ -56,8 +55,8 @@ def test_reference_packing_round_trips_every_int4_pair():
 # The writer
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize(("estimator", "head_size"), [("mvar_top2", 64), ("mvar_top8", 128)])
-def test_write_int4_summaries_matches_reference(layout, estimator, head_size):
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_write_int4_summaries_matches_reference(layout, head_size, estimator="mvar_top8"):
     gen = torch.Generator().manual_seed(head_size + len(estimator))
     slots = moira.summary_slots(estimator)
     kv = make_kv_cache(6, 2, head_size, layout, generator=gen)
@@ -83,15 +82,15 @@ def test_write_int4_summaries_matches_reference(layout, estimator, head_size):
 def test_write_int4_summaries_of_an_all_zero_page():
     kv = make_kv_cache(2, 1, 64, "head_major")
     kv[1, :, :, :64] = 0.0
-    summaries = torch.full((2, 1, 4, 64), 5, dtype=torch.uint8)  # mvar_top2: 2 + 1 + 1 rows
+    summaries = torch.full((2, 1, 7, 64), 5, dtype=torch.uint8)  # mvar_top8: 2 + 4 + 1 rows
     moira.write_page_summaries(kv, summaries, torch.tensor([PAGE + 63]))
     q, scales = ref.split_int4_summaries(summaries[1, 0])
-    assert (q == 0).all() and scales.tolist() == [0.0] * 4
-    assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 4, 64))
+    assert (q == 0).all() and scales.tolist() == [0.0] * 10
+    assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 10, 64))
 
 
 def test_verify_page_summaries_sees_a_changed_int4_key():
-    kv, summaries, *_ = make_decode_batch([64 * 5], 1, 2, 64, "head_major", "mvar_top4",
+    kv, summaries, *_ = make_decode_batch([64 * 5], 1, 2, 64, "head_major", "mvar_top8",
                                           summary_dtype="int4")  # fmt: skip
     assert moira.verify_page_summaries(kv, summaries) == {
         "pages": 5, "mismatched": 0, "beyond_rounding": 0
@@ -104,6 +103,14 @@ def test_verify_page_summaries_sees_a_changed_int4_key():
 # --------------------------------------------------------------------------
 # Estimate and the whole step
 # --------------------------------------------------------------------------
+@triton.jit
+def _unpack_int4_pair(packed):
+    # The test's oracle: stored keys 2 i and 2 i + 1 of a byte as int8 values in [-7, 7]
+    # (the odd key is floor(byte / 16), the even key the low nibble minus 8).
+    x = packed.to(tl.int32)
+    return ((x & 15) - 8).to(tl.int8), (x >> 4).to(tl.int8)
+
+
 @triton.jit
 def _pair_products_kernel(
     packed_ptr,  # [TILE, D] int8: row 2 + i of TILE pages (two keys a byte)
@@ -121,7 +128,7 @@ def _pair_products_kernel(
     digits, step = _int8_digits(q, ROWS, D)
     digit_sums = tl.sum(digits.to(tl.int32), axis=1)
     even, odd = _int4_pair_digit_dots(packed, digits, digit_sums, step, TILE, ROWS)
-    even_key, odd_key = _int4_key_pair(packed)
+    even_key, odd_key = _unpack_int4_pair(packed)
     out = out_ptr + offs_t[:, None] * ROWS + offs_r[None, :]
     tl.store(out, even)
     tl.store(out + TILE * ROWS, odd)
@@ -132,8 +139,8 @@ def _pair_products_kernel(
 def check_int4_pair_products(device: str) -> None:
     """Estimate's int4 products without unpacking (_int4_pair_digit_dots: each nibble in
     place on the int8 tensor cores, then q.odd = q.(16 odd) / 16 and q.even = q.(even + 8)
-    - 8 sum(digits)) equal, bit for bit, the unpacked keys' products (_int4_key_pair, then
-    _int8_digit_dot), for every int4 value and queries with negative, large and tiny
+    - 8 sum(digits)) equal, bit for bit, the unpacked keys' products (_unpack_int4_pair,
+    then _int8_digit_dot), for every int4 value and queries with negative, large and tiny
     entries; and both are q . key within the digits' resolution."""
     tile, rows, d = 16, 8, 128
     gen = torch.Generator().manual_seed(11)
@@ -160,28 +167,24 @@ def test_int4_pair_products_equal_unpacked_keys_bitwise():
 
 
 @pytest.mark.parametrize(
-    ("estimator", "layout", "group", "head_size", "pattern", "int8_convert"),
+    ("layout", "group", "head_size", "pattern"),
     [
-        ("mvar_top8", "token_major", 3, 64, "outlier", "auto"),
-        ("mvar_top4", "head_major", 4, 128, "concentrated", "imma"),
-        ("mvar_top2", "head_major", 8, 64, "diffuse", "prmt"),
-        ("mvar_top8", "head_major", 2, 128, "outlier", "bf16"),
+        ("token_major", 3, 64, "outlier"),
+        ("head_major", 4, 128, "concentrated"),
+        ("head_major", 8, 64, "diffuse"),
     ],
 )
-def test_estimate_int4_matches_reference(estimator, layout, group, head_size, pattern,
-                                         int8_convert, monkeypatch):  # fmt: skip
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
+def test_estimate_int4_matches_reference(layout, group, head_size, pattern,
+                                         estimator="mvar_top8"):  # fmt: skip
     check_estimate_int8([1, 65, 300, 64 * 20 + 7], estimator, layout, group, head_size, pattern,
-                        summary_dtype="int4")  # fmt: skip
+                        summary_dtype="int4", tile_pages=16)  # fmt: skip
 
 
 # --------------------------------------------------------------------------
 # Storage and configuration
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize(("estimator", "head_size", "rows"),
-                         [("mvar_top2", 64, 4), ("mvar_top8", 128, 7)])  # fmt: skip
-def test_int4_summary_storage_and_accounting(estimator, head_size, rows):
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_int4_summary_storage_and_accounting(head_size, estimator="mvar_top8", rows=7):
     slots = moira.summary_slots(estimator)
     assert moira.summary_storage(slots, "int4") == (torch.uint8, rows)
     kv = torch.zeros(10, 2, PAGE, 2 * head_size, dtype=torch.bfloat16)
@@ -191,8 +194,7 @@ def test_int4_summary_storage_and_accounting(estimator, head_size, rows):
         assert tuple(summaries.shape) == (10, 2, rows, head_size)
         kv_bytes = kv.numel() * kv.element_size()
         assert summaries.numel() == ms.summary_bytes_for_kv_bytes(kv_bytes, slots, "int4")
-        if estimator == "mvar_top8":  # 7/256 of the KV cache (int8: 11/256)
-            assert summaries.numel() * 256 == kv_bytes * 7
+        assert summaries.numel() * 256 == kv_bytes * 7  # 7/256 of the KV cache (int8: 11/256)
     finally:
         ms.release_summaries(ms.summary_key(kv))
 
@@ -203,7 +205,7 @@ def test_int4_needs_stored_keys():
     with pytest.raises(
         ValueError,
         match=r"MOIRA_SUMMARY_DTYPE 'int4' stores the keys of "
-        r"\('mvar_top2', 'mvar_top4', 'mvar_top8'\) in 4 bits; "
+        r"\('mvar_top8',\) in 4 bits; "
         r"MOIRA_ESTIMATOR 'mvar' stores none \(use 'int8'\)",
     ):
         moira.moira_config_from_env({"MOIRA_SUMMARY_DTYPE": "int4", "MOIRA_ESTIMATOR": "mvar"})
@@ -214,9 +216,9 @@ def test_int4_needs_stored_keys():
 
 def test_estimate_rejects_int4_summaries_of_another_estimator():
     kv, summaries, table, seq, query = make_decode_batch(
-        [300], 1, 2, 64, "head_major", "mvar_top2", summary_dtype="int4"
+        [300], 1, 2, 64, "head_major", "mvar_top8", summary_dtype="int4"
     )
     ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig.paper(), "cpu")
-    with pytest.raises(ValueError, match=r"needs a summary of 10 slots .*int4 keys: 7 uint8 rows"):
+    with pytest.raises(ValueError, match=r"needs a summary of 2 slots .*int4 keys: 3 uint8 rows"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
-                                    "mvar_top8")  # fmt: skip
+                                    "mvar")  # fmt: skip

@@ -18,9 +18,8 @@ from vllm_moira.v1.attention.backends import moira
 from vllm_moira.v1.attention.ops import moira_reference as ref
 from vllm_moira.v1.worker import moira_summaries as ms
 
-SMALL_SPLITS = dict(
-    min_chunk_pages=2, min_splits_per_row=3, min_splits_total=8, attend_fill_blocks=1
-)
+# Few Attend blocks, so that CPU-sized lists are cut over several blocks (Merge runs).
+SMALL_FILL = dict(attend_fill_blocks=5)
 
 
 def _ref_fp32_summaries(kv: torch.Tensor, blocks: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -47,23 +46,7 @@ def test_reference_quantizer_rule():
 
 
 # --------------------------------------------------------------------------
-# Estimate's int8 -> bf16 conversion (integer add, fp32 subtract, shift)
-# --------------------------------------------------------------------------
-@triton.jit
-def _kernel_int8_to_bf16(src_ptr, dst_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(dst_ptr + offs, moira._int8_to_bf16(tl.load(src_ptr + offs)))
-
-
-def test_int8_to_bf16_is_exact_for_every_byte():
-    src = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
-    dst = torch.full((256,), 99.0, dtype=torch.bfloat16)
-    _kernel_int8_to_bf16[(1,)](src, dst, N=256)
-    assert torch.equal(dst, src.to(torch.bfloat16))
-
-
-# --------------------------------------------------------------------------
-# Estimate's int8 digits of q and (s q)^2 (int8_convert = "imma")
+# Estimate's int8 digits of q and (s q)^2
 # --------------------------------------------------------------------------
 @triton.jit
 def _kernel_int8_digits(x_ptr, digits_ptr, step_ptr, ROWS: tl.constexpr, D: tl.constexpr):
@@ -115,7 +98,7 @@ def test_int8_digits_represent_the_rows():
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("estimator", ["mvar", "mvar_top2", "mvar_top4", "mvar_top8"])
+@pytest.mark.parametrize("estimator", ["mvar", "mvar_top8"])
 def test_write_int8_summaries_matches_reference(layout, head_size, estimator):
     gen = torch.Generator().manual_seed(head_size + len(estimator))
     slots = moira.summary_slots(estimator)
@@ -147,11 +130,11 @@ def test_write_int8_summaries_matches_reference(layout, head_size, estimator):
 def test_write_int8_summaries_of_an_all_zero_page():
     kv = make_kv_cache(2, 1, 64, "head_major")
     kv[1, :, :, :64] = 0.0
-    summaries = torch.full((2, 1, 7, 64), 5, dtype=torch.int8)
+    summaries = torch.full((2, 1, 11, 64), 5, dtype=torch.int8)  # mvar_top8: 10 slots + scales
     moira.write_page_summaries(kv, summaries, torch.tensor([PAGE + 63]))
     q, scales = ref.split_int8_summaries(summaries[1, 0])
-    assert (q == 0).all() and scales.tolist() == [0.0] * 6
-    assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 6, 64))
+    assert (q == 0).all() and scales.tolist() == [0.0] * 10
+    assert torch.equal(ref.read_summaries(summaries)[1], torch.zeros(1, 10, 64))
 
 
 # --------------------------------------------------------------------------
@@ -161,31 +144,24 @@ def test_write_int8_summaries_of_an_all_zero_page():
     ("estimator", "layout", "group", "head_size", "pattern"),
     [
         ("mvar", "token_major", 1, 64, "random"),
-        ("mvar_top4", "head_major", 3, 64, "outlier"),
-        ("mvar_top2", "token_major", 4, 128, "concentrated"),
-        ("mvar_top4", "head_major", 8, 128, "diffuse"),
+        ("mvar", "head_major", 8, 128, "diffuse"),
         ("mvar_top8", "token_major", 3, 64, "outlier"),
-        ("mvar_top2", "head_major", 16, 64, "outlier"),  # G = 16: 64 digit columns
+        ("mvar_top8", "token_major", 4, 128, "concentrated"),
+        ("mvar_top8", "head_major", 16, 64, "outlier"),  # G = 16: 64 digit columns
     ],
 )
-# The int8 slots in fp16 (by casts here, by byte permutes on the GPU), in bf16
-# by integer arithmetic, as stored against q's int8 digits on the int8 tensor
-# cores, and "auto" (the default: imma with stored keys or 64-page tiles, else prmt)
-# (ESTIMATE_LAUNCH["int8_convert"]).
-@pytest.mark.parametrize("int8_convert", ["prmt", "bf16", "imma", "auto"])
+# The int8 slots as stored against q's int8 digits on the int8 tensor cores, on 16-page
+# tiles (the sink, middle tiles and the current page in different programs).
 @pytest.mark.slow
-def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern,
-                                         int8_convert, monkeypatch):  # fmt: skip
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "tile_pages", 16)
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", int8_convert)
+def test_estimate_int8_matches_reference(estimator, layout, group, head_size, pattern):
     check_estimate_int8([1, 64, 65, 300, 64 * 40 + 7], estimator, layout, group, head_size,
-                        pattern)  # fmt: skip
+                        pattern, tile_pages=16)  # fmt: skip
 
 
 def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
-                        summary_dtype="int8"):  # fmt: skip
+                        summary_dtype="int8", tile_pages=None):  # fmt: skip
     """Estimate on int8 summaries (or int4 keys) (2 KV heads x G) vs the float32
-    reference, row by row, under the current ESTIMATE_LAUNCH."""
+    reference, row by row, on ``tile_pages``-page programs (None: the default launch's)."""
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, group, head_size, layout, estimator, pattern, query_scale=3.0,
         summary_dtype=summary_dtype,
@@ -197,7 +173,9 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
     ws = moira.MoiraWorkspace(len(seq_lens), 2 * group, 2, head_size, table.shape[1], config,
                               "cpu")  # fmt: skip
     ws.logmass.fill_(float("nan"))
-    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator)
+    launch = {"estimate": {"tile_pages": tile_pages}} if tile_pages else None
+    moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, scale, estimator,
+                                launch=launch)  # fmt: skip
     stored = ref.read_summaries(summaries)
     for row, seq_len in enumerate(seq_lens):
         n = math.ceil(seq_len / PAGE)
@@ -210,7 +188,6 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
     ("estimator", "summary_dtype", "refine", "query_scale"),
     [
         ("mvar", "int8", "off", 1.0),
-        ("mvar_top4", "int8", "off", 1.0),
         ("mvar_top8", "int8", "off", 1.0),
         # int4 stored keys (test_moira_summary_int4.py), with and without the refinement
         # (queries x3: wide pages for it to refine)
@@ -222,7 +199,7 @@ def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, refine, 
     """Lists equal the reference's on the stored (dequantized) summaries; the output
     matches the reference's attention over those lists."""
     config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype=summary_dtype,
-                                     refine=refine, **SMALL_SPLITS)  # fmt: skip
+                                     refine=refine, **SMALL_FILL)  # fmt: skip
     seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, 4, 128, "head_major", estimator, "concentrated", seed=2,
@@ -237,14 +214,14 @@ def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, refine, 
                                         estimator=estimator, refine=refine)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
-            n = int(ws.page_count[row, h])
+            n = int(ws.list_lengths[row, h])
             assert ws.page_list[row, h, :n].tolist() == lists[row][h].tolist(), (row, h)
     torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("summary_dtype", ["int8", "int4"])
 def test_gamma_one_int8_equals_dense(summary_dtype):
-    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype=summary_dtype, **SMALL_SPLITS)
+    config = moira.MoiraConfig.paper(gamma=1.0, summary_dtype=summary_dtype, **SMALL_FILL)
     seq_lens = [1, 64, 7 * PAGE, 64 * 4 + 17]
     kv, summaries, table, seq, query = make_decode_batch(seq_lens, 2, 4, 128, "head_major",
                                                          config.estimator,
@@ -260,15 +237,15 @@ def test_estimate_rejects_int8_summaries_of_another_estimator():
     kv, summaries, table, seq, query = make_decode_batch([300], 1, 2, 64, "head_major", "mvar",
                                                          summary_dtype="int8")  # fmt: skip
     ws = moira.MoiraWorkspace(1, 2, 1, 64, table.shape[1], moira.MoiraConfig.paper(), "cpu")
-    with pytest.raises(ValueError, match=r"needs a summary of 6 slots .*int8: 7 rows"):
+    with pytest.raises(ValueError, match=r"needs a summary of 10 slots .*int8: 11 rows"):
         moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
-                                    "mvar_top4")  # fmt: skip
+                                    "mvar_top8")  # fmt: skip
 
 
 # --------------------------------------------------------------------------
 # Storage and configuration
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize(("estimator", "head_size"), [("mvar", 64), ("mvar_top4", 128)])
+@pytest.mark.parametrize(("estimator", "head_size"), [("mvar", 64), ("mvar_top8", 128)])
 def test_int8_summary_storage_and_accounting(estimator, head_size):
     slots = moira.summary_slots(estimator)
     kv = torch.zeros(10, 2, PAGE, 2 * head_size, dtype=torch.bfloat16)
@@ -318,51 +295,13 @@ def test_summary_storage_table_and_benchmark_names():
     assert ref.parse_stored_estimator("mvar_top4") == ("mvar_top4", None)
 
 
-def test_estimate_rejects_an_unknown_int8_conversion(monkeypatch):
-    monkeypatch.setitem(moira.ESTIMATE_LAUNCH, "int8_convert", "fp8")
-    kv, summaries, table, seq, query = make_decode_batch(
-        [300], 2, 4, 64, "token_major", "mvar_top8", "random", summary_dtype="int8"
-    )
-    ws = moira.MoiraWorkspace(1, 8, 2, 64, table.shape[1],
-                              moira.MoiraConfig.paper(estimator="mvar_top8", summary_dtype="int8"),
-                              "cpu")  # fmt: skip
-    with pytest.raises(ValueError, match=r"int8_convert.*'auto', 'prmt', 'bf16' or 'imma'.*'fp8'"):
-        moira.estimate_page_logmass(query, kv, summaries, table, seq, ws.logmass, 0.125,
-                                    "mvar_top8")  # fmt: skip
-
-
-def test_auto_int8_conversion_follows_the_stored_keys_and_the_tile():
-    # "auto": the int8 tensor-core digit products where there are stored keys (their
-    # conversions dominate) or where a tile of 64+ pages shares the digits of q; fp16 by
-    # byte permutes for mvar's two slots on smaller tiles.
-    assert moira._int8_convert_mode("auto", 8, 32) == moira._int8_convert_mode("imma", 8, 32) == 3
-    assert moira._int8_convert_mode("auto", 2, 32) == 3
-    assert moira._int8_convert_mode("auto", 0, 32) == moira._int8_convert_mode("prmt", 0, 32) != 3
-    assert moira._int8_convert_mode("auto", 0, 64) == 3
-    assert moira._int8_convert_mode("prmt", 0, 64) != 3
-    assert moira.ESTIMATE_LAUNCH["int8_convert"] == "auto"
-
-
-def test_auto_tile_pages_per_estimator():
-    # "auto": 64 pages for the two-slot estimators on int8 summaries, 32 otherwise; an
-    # explicit size wins; anything else is refused with the allowed values.
-    assert moira.ESTIMATE_LAUNCH["tile_pages"] == "auto"
-    assert moira._estimate_tile_pages("auto", 0, True) == 64
-    assert moira._estimate_tile_pages("auto", 0, False) == 32
-    assert moira._estimate_tile_pages("auto", 8, True) == 32
-    assert moira._estimate_tile_pages(16, 0, True) == 16
-    for bad in (0, 48, "64", None):
-        with pytest.raises(ValueError, match=r"tile_pages'\] must be 'auto' or a power of two"):
-            moira._estimate_tile_pages(bad, 0, True)
-
-
 @pytest.mark.parametrize(
     ("estimator", "layout", "group", "head_size"),
-    [("mvar", "token_major", 4, 128), ("mvar_rem", "head_major", 3, 64)],
+    [("mvar", "token_major", 4, 128), ("mvar", "head_major", 3, 64)],
 )
 def test_estimate_int8_two_slots_default_launch_matches_reference(estimator, layout, group,
                                                                   head_size):  # fmt: skip
-    # The default launch of the two-slot estimators: 64-page tiles, q's int8 digits. Rows of
+    # The default launch of mvar on int8 summaries: 64-page tiles, q's int8 digits. Rows of
     # one page, one tile exactly (65 pages: the sink and current page exact), and three tiles.
     check_estimate_int8([1, 64 * 64 + 64, 64 * 64 + 65, 64 * 150 + 3], estimator, layout, group,
                         head_size, "outlier")  # fmt: skip

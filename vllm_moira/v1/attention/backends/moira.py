@@ -9,13 +9,12 @@ the step replays in vLLM's full CUDA graph with no host planning:
    the sink and current pages exactly from their keys.
 2. Select: the fewest pages whose share reaches gamma (coverage rule), by
    bisection; or a fixed count.
-3. Attend: split-KV over the selected pages; blocks plan their own work from
-   the list lengths in device memory.
+3. Attend: N_F blocks share the step's selected pages evenly, the lists laid
+   end to end; blocks plan their own work from the list lengths in device memory.
 4. Merge: log-sum-exp combine of lists split over several blocks.
 
 Summaries are written when a page fills: by ``write_page_summaries`` for
-prefill tokens, by Estimate for decode rows. Prefill runs on FA3. Design and
-measurements: docs/design.md; kernel API: docs/kernel-api.md.
+prefill tokens, by Estimate for decode rows. Prefill runs on FA3.
 
 Layout: constants and configuration; the kernels stage by stage, each
 launcher after its kernel; the decode step and its workspace; the vLLM
@@ -25,13 +24,12 @@ backend (metadata, builder, backend, impl).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
@@ -71,9 +69,9 @@ from ...worker.moira_summaries import (
 from .moira_mode import backend_enum_name, has_kv_cache_extras_hook, plugin_mode_reasons
 
 try:  # Hopper grid dependency control (Triton >= 3.4)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # pragma: no cover - no Triton, or one without it: plain launches
-    gdc_launch_dependents = gdc_wait = None
+    gdc_wait = None
 
 logger = init_logger(__name__)
 
@@ -92,123 +90,227 @@ MOIRA_MAX_GROUP_SIZE = 16
 MOIRA_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 MOIRA_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 MOIRA_SELECTORS = ("coverage", "fixed")
-#: How Attend divides the step's page lists among its blocks. "lists": the
-#: paper's Alg. 2, J blocks per (row, KV head), each taking one chunk of its
-#: list. "pages": N_F blocks for the whole step, each taking the same number
-#: of pages of the lists laid end to end, so uneven lists leave no block with
-#: more work than another.
-MOIRA_ATTEND_SCHEDULES = ("lists", "pages")
 #: What a decode step whose rows are all dense runs. "moira": Moira's kernels,
 #: Estimate and Select skipping the rows. "fa3": vLLM's FA3 decode in FULL
 #: CUDA graphs of its own (vLLM patch 0006), plus the summary writer.
 MOIRA_DENSE_STEPS = ("moira", "fa3")
-#: Estimate's optional second stage (docs/estimator.md, "Spread-gated refinement"):
-#: "off", or "wide": the exact log-mass of each page whose estimated share is at most
-#: REFINE_BELOW_NATS under Select's threshold (or above it) and whose spread term is
-#: large (REFINE_WIDE_FACTOR), then Select again (coverage rule only).
+#: Estimate's optional second stage: "off", or "wide": the exact log-mass of
+#: each page whose estimated share is at most REFINE_BELOW_NATS under Select's
+#: threshold (or above it) and whose spread term is large (REFINE_WIDE_FACTOR),
+#: then Select again (coverage rule only).
 MOIRA_REFINE_MODES = ("off", "wide")
 #: "wide" (the accuracy mode) reads the exact keys of the pages near the threshold and
 #: keeps needle pages the first stage under-states; it is off by default because those
-#: reads cost more decode time on real text than the pages it saves (docs/estimator.md).
+#: reads cost more decode time on real text than the pages it saves.
 MOIRA_DEFAULT_REFINE = "off"
 #: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
 REFINE_BELOW_NATS = 3.0
 REFINE_WIDE_FACTOR = 0.75
-#: Page-mass estimator -> r, the keys stored exactly per page and KV head
-#: (docs/estimator.md). "mvar": the paper's Eq. 2; "mvar_rem": Eq. 2 with the
-#: random-energy-model spread term; "mvar_top{r}": the r keys farthest from
-#: the page mean stored exactly, the rest summarized as for mvar_rem.
-MOIRA_ESTIMATOR_NUM_TOP = {
-    "mvar": 0,
-    "mvar_rem": 0,
-    "mvar_top2": 2,
-    "mvar_top4": 4,
-    "mvar_top8": 8,
-}
+#: Page-mass estimator -> r, the keys stored exactly per page and KV head.
+#: "mvar": the paper's Eq. 2; "mvar_top8": the 8 keys farthest from the page
+#: mean stored exactly, the other 56 summarized by their mean and variance with
+#: the random-energy-model spread term. The research estimators live in the
+#: float32 reference (ops/moira_reference.py) and benchmarks/probes/.
+MOIRA_ESTIMATOR_NUM_TOP = {"mvar": 0, "mvar_top8": 8}
 MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
-#: int8 summaries: half the memory of bf16 at the same accuracy (docs/estimator.md).
+#: int8 summaries: half the memory of bf16 at the same accuracy.
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
-
-# Launch configurations. Each value is the fastest measured on the H200
-# (docs/design.md); benchmarks/moira_correctness.py sweeps the alternatives
-# by changing these dicts in place.
-ESTIMATE_LAUNCH: dict[str, Any] = {
-    # Pages per summary program, or "auto" (_estimate_tile_pages).
-    "tile_pages": "auto",
-    "num_warps": 2,
-    # Software-pipeline depth of the stored-key loop.
-    "key_stages": 3,
-    # How int8 slots meet q: "imma" (int8 tensor cores against q's int8
-    # digits), "prmt" (fp16 by byte permutes), or "auto" (_int8_convert_mode).
-    # "bf16" (integer-arithmetic conversion) is kept as an ablation.
-    "int8_convert": "auto",
-    # Register cap per thread (None: ptxas's choice): 8 programs per SM
-    # instead of 6.
-    "maxnreg": 128,
-}
-# Tokens of the slot mapping per writer program: a 64-token window of one
-# request holds one page end, so about one program per page to summarize.
-WRITER_LAUNCH: dict[str, Any] = {"window_tokens": 64}
-# Select on rows that fit one register tile of more than
-# _SELECT_SHORT_TILE_PAGES pages: K_B = long_lanes thresholds tested per
-# bisection pass in one 2D reduction (1: one reduction per threshold).
-SELECT_LAUNCH: dict[str, Any] = {"long_lanes": 8, "long_num_warps": 16}
-# Attend (paper App. A: 4 warps, 3 stages; maxnreg None: ptxas's choice).
-# num_stages None: by the KV cache's dtype (ATTEND_STAGES_BY_KV); a number sets
-# both (launch sweeps, probes). tile_pages: list entries (pages) per iteration
-# of the K/V loop, 1, 2 or 4.
-ATTEND_LAUNCH: dict[str, Any] = {"num_warps": 4, "num_stages": None, "maxnreg": None,
-                                 "tile_pages": 1}  # fmt: skip
-# An fp8 page is half a bf16 page's bytes, so 5 stages take about the shared
-# memory of 3 bf16 ones (3 blocks per SM still fit) and keep more pages in
-# flight, which fp8 pages need: one page per iteration leaves bf16's loop
-# latency-bound on half the bytes. H200 sweep (benchmarks/results/fp8/): the
-# same output bits, Attend -11% at 4x131072; more stages do not help bf16.
-ATTEND_STAGES_BY_KV = {"bf16": 3, "fp8": 5}
-#: ATTEND_LAUNCH["tile_pages"] values: the tile's token count must be a power of 2.
-ATTEND_TILE_PAGES = (1, 2, 4)
-# attend_schedule="pages": the register cap that fits 3 blocks per SM (the
-# N_F that ATTEND_BLOCKS_PER_SM counts on) with no spills.
-ATTEND_PAGES_LAUNCH: dict[str, Any] = {"maxnreg": 168}
-# Attend blocks resident per SM at ATTEND_LAUNCH on the H200; N_F = 0 aims a
-# small step at this many blocks per SM, one full wave.
-ATTEND_BLOCKS_PER_SM = 3
-# Programmatic dependent launch (Hopper): each decode-step kernel may be
-# scheduled while the previous one finishes, and waits (gdc_wait) for its
-# memory first; same outputs, bit for bit, as plain launches. early_trigger
-# (schedule the next kernel once all blocks have started) is an ablation for
-# moira_correctness.py --step-launches.
-DECODE_LAUNCH: dict[str, Any] = {"pdl": True, "early_trigger": False}
 
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 # Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
 _SELECT_SHORT_TILE_PAGES = 256
-# Largest tile of list lengths that attend_schedule="pages" scans at once.
+# Largest tile of list lengths that Attend scans at once.
 _ATTEND_MAX_LISTS_TILE = 1024
 # Chunks of one row that Merge combines per loop iteration.
 _MERGE_TILE_CHUNKS = 32
 # tl.dot needs at least 16 rows: the G query heads are padded to this.
 _MIN_DOT_ROWS = 16
-# SMs assumed off the GPU (CPU tests): an H100 / H200 SXM.
+# SMs assumed off the GPU (CPU tests): a Hopper SXM part's.
 _DEFAULT_SM_COUNT = 132
 
-#: The paper's algorithm (§3.3): Alg. 2's chunks per list, no dense rows,
-#: Moira's kernels on every step. ``MoiraConfig.paper()``; the kernel tests
-#: and benchmarks/moira_correctness.py use it.
+#: The paper's decode step (§3.3) less its Attend schedule: no dense rows,
+#: Moira's kernels on every step, the estimate alone. ``MoiraConfig.paper()``;
+#: the kernel tests and benchmarks/moira_correctness.py use it.
 MOIRA_PAPER_SETTINGS: dict[str, Any] = {
-    "attend_schedule": "lists",
     "dense_batch_tokens": 0,
     "dense_steps": "moira",
     "refine": "off",
 }
 
 
+# Launch parameters
+# --------------------------------------------------------------------------
+# Each kernel's launch comes from a function of the shapes and dtypes it runs
+# on. Benchmarks and probes pass overrides, by kernel (``LAUNCH_KERNELS``), to
+# MoiraWorkspace(launch=...) or to a launcher's ``launch`` argument; a
+# workspace keeps its overrides, so a graph captured on it replays them.
+
+#: Kernels whose launch a ``launch`` mapping overrides ("step": the whole
+#: decode step's dependent launches).
+LAUNCH_KERNELS = ("writer", "estimate", "select", "refine", "attend", "step")
+#: Attend blocks resident per SM at Attend's register cap; N_F = 0 aims a step
+#: at this many blocks per SM, one full wave.
+ATTEND_BLOCKS_PER_SM = 3
+# Estimate's warps. The summary writer runs on them too: the per-channel sums
+# of a page summary are reduced in the order of the warps' layout, and the
+# writer and Estimate must store the same bits for the same page.
+_ESTIMATE_NUM_WARPS = 2
+
+
+# The launches, as the functions below resolve them.
+class WriterLaunch(NamedTuple):
+    window_tokens: int  # slot-mapping tokens per program (about one page end each)
+    num_warps: int  # Estimate's
+
+
+class EstimateLaunch(NamedTuple):
+    tile_pages: int  # pages per summary program
+    num_warps: int  # per program
+    key_stages: int  # software-pipeline depth of the stored-key loop
+    maxnreg: int | None  # register cap per thread (None: ptxas's choice)
+
+
+class SelectLaunch(NamedTuple):
+    lanes: int  # K_B: thresholds per bisection pass in one 2D reduction (1: one each)
+    num_warps: int  # per (row, KV head) program
+
+
+class RefineLaunch(NamedTuple):
+    tile_pages: int  # pages per refine tile (its candidate test is one [G, pages] tile)
+    pipeline_stages: int  # depth of the loop over a tile's refined pages
+    num_warps: int  # per program
+    step_programs: int  # about how many programs a step launches
+
+
+class AttendLaunch(NamedTuple):
+    num_warps: int  # per block
+    num_stages: int  # software-pipeline depth of the K/V page loop
+    maxnreg: int | None  # register cap per thread (None: ptxas's choice)
+
+
+def _overridden(kernel: str, defaults: dict[str, Any], overrides: Mapping[str, Any] | None):
+    """``defaults`` with ``overrides``; a key that ``kernel``'s launch does not have is
+    refused, naming the ones it has."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"Moira: {kernel} launch overrides {unknown} are not among {sorted(defaults)}"
+        )
+    return {**defaults, **overrides}
+
+
+def _power_of_two(kernel: str, name: str, value: Any, allowed: range) -> None:
+    if not isinstance(value, int) or value & (value - 1) or value not in allowed:
+        raise ValueError(
+            f"Moira: {kernel} launch {name} must be a power of two in "
+            f"[{allowed.start}, {allowed.stop - 1}], got {value!r}"
+        )
+
+
+def writer_launch(overrides: Mapping[str, Any] | None = None) -> WriterLaunch:
+    """The summary writer's launch: 64-token windows on Estimate's warps."""
+    values = _overridden(
+        "writer", {"window_tokens": 64, "num_warps": _ESTIMATE_NUM_WARPS}, overrides
+    )
+    _power_of_two("writer", "window_tokens", values["window_tokens"], range(1, 1025))
+    return WriterLaunch(**values)
+
+
+def estimate_launch(
+    num_top: int, int8: bool, overrides: Mapping[str, Any] | None = None
+) -> EstimateLaunch:
+    """Estimate's launch for an estimator with ``num_top`` stored keys on int8 (or bf16)
+    summaries. Two-slot int8 summaries take 64-page programs, which otherwise have
+    little to do besides their fixed work; 128 registers per thread fit 8 programs
+    per SM instead of 6."""
+    defaults = {
+        "tile_pages": 64 if num_top == 0 and int8 else 32,
+        "num_warps": _ESTIMATE_NUM_WARPS,
+        "key_stages": 3,
+        "maxnreg": 128,
+    }
+    values = _overridden("estimate", defaults, overrides)
+    _power_of_two("estimate", "tile_pages", values["tile_pages"], range(16, 1025))
+    return EstimateLaunch(**values)
+
+
+def select_launch(
+    tile_pages: int, num_tiles: int, overrides: Mapping[str, Any] | None = None
+) -> SelectLaunch:
+    """Select's launch for rows of ``num_tiles`` register tiles of ``tile_pages`` pages.
+    Rows of one tile test ``long_lanes`` thresholds per pass in one 2D reduction, which
+    needs the whole row in registers; tiles of 1024+ pages take ``long_num_warps``."""
+    values = _overridden("select", {"long_lanes": 8, "long_num_warps": 16}, overrides)
+    _power_of_two("select", "long_lanes", values["long_lanes"], range(1, 17))
+    return SelectLaunch(
+        lanes=values["long_lanes"] if num_tiles == 1 else 1,
+        num_warps=values["long_num_warps"] if tile_pages >= 1024 else 4,
+    )
+
+
+def refine_launch(overrides: Mapping[str, Any] | None = None) -> RefineLaunch:
+    """The refine kernel's launch. Smaller tiles spread a list's refined pages over more
+    programs (a program refines its tiles' pages one after another); the pipelined loop
+    copies the next pages' keys while this page's softmax runs. The grid depends only on
+    the step's rows and max_model_len, so capping the programs per step keeps a step
+    whose rows are short from launching programs that find nothing to do."""
+    defaults = {"tile_pages": 16, "pipeline_stages": 3, "num_warps": 4, "step_programs": 4096}
+    values = _overridden("refine", defaults, overrides)
+    if values["tile_pages"] not in (16, 32, 64, 128):
+        raise ValueError(
+            f"Moira: refine launch tile_pages must be one of (16, 32, 64, 128), "
+            f"got {values['tile_pages']!r}"
+        )
+    stages = values["pipeline_stages"]
+    if not isinstance(stages, int) or not 1 <= stages <= 6:
+        raise ValueError(
+            f"Moira: refine launch pipeline_stages must be an integer in 1..6, got {stages!r}"
+        )
+    step_programs = values["step_programs"]
+    if not isinstance(step_programs, int) or step_programs < 1:
+        raise ValueError(
+            f"Moira: refine launch step_programs must be a positive integer, got {step_programs!r}"
+        )
+    return RefineLaunch(**values)
+
+
+def attend_launch(kv_fp8: bool, overrides: Mapping[str, Any] | None = None) -> AttendLaunch:
+    """Attend's launch on a bf16 or fp8 KV cache: the paper's 4 warps and 3 stages on
+    bf16 pages; 5 on fp8 pages, half a bf16 page's bytes, so the same shared memory
+    keeps more pages in flight; a register cap that fits ATTEND_BLOCKS_PER_SM blocks
+    per SM without spills."""
+    defaults = {"num_warps": 4, "num_stages": 5 if kv_fp8 else 3, "maxnreg": 168}
+    return AttendLaunch(**_overridden("attend", defaults, overrides))
+
+
+def check_launch_overrides(
+    launch: Mapping[str, Mapping[str, Any]] | None,
+) -> dict[str, Mapping[str, Any]]:
+    """``launch`` (overrides by kernel, LAUNCH_KERNELS) checked: an unknown kernel or
+    setting, or a value out of range, is refused before anything is launched."""
+    launch = dict(launch or {})
+    unknown = sorted(set(launch) - set(LAUNCH_KERNELS))
+    if unknown:
+        raise ValueError(f"Moira: launch overrides for {unknown}; kernels: {LAUNCH_KERNELS}")
+    writer_launch(launch.get("writer"))
+    estimate_launch(0, True, launch.get("estimate"))
+    select_launch(_SELECT_MAX_TILE_PAGES, 1, launch.get("select"))
+    refine_launch(launch.get("refine"))
+    attend_launch(False, launch.get("attend"))
+    _overridden("step", {"pdl": True}, launch.get("step"))
+    return launch
+
+
 @dataclass(frozen=True)
 class MoiraConfig:
-    """Knobs of the Moira decode step. The defaults are what the backend
-    serves; ``MoiraConfig.paper()`` is the paper's algorithm (§3.3)."""
+    """Settings of the Moira decode step. The defaults are what the backend
+    serves; ``MoiraConfig.paper()`` is the paper's decode step (§3.3). The
+    first seven are the user's options (the MOIRA_* variables,
+    ``moira_config_from_env``); the rest are the backend's settings, which
+    benchmarks and tests change in process."""
 
     #: Coverage: keep the fewest pages whose estimated share reaches gamma.
     gamma: float = 0.98
@@ -219,29 +321,6 @@ class MoiraConfig:
     fixed_pages: int | None = None
     #: Or, for ``selector="fixed"``, K = ceil(fixed_fraction * pages of the row).
     fixed_fraction: float | None = None
-    #: C: fewest pages per Attend chunk (attend_schedule="lists").
-    min_chunk_pages: int = 24
-    #: N_J: fewest Attend blocks per row (attend_schedule="lists").
-    min_splits_per_row: int = 32
-    #: N_T: fewest Attend blocks per grid (attend_schedule="lists").
-    min_splits_total: int = 4096
-    #: N_F: working Attend blocks a step aims for. "pages": the blocks of the
-    #: step; "lists": a chunk is max(ceil(n / J), min(C, ceil(P / N_F))) pages,
-    #: P the pages in all lists of the step (1 = Eq. 4 exactly). 0 = the
-    #: blocks the device holds at once (resolve_attend_fill_blocks).
-    attend_fill_blocks: int = 0
-    #: One of MOIRA_ATTEND_SCHEDULES. "pages" is flat in the spread of list
-    #: lengths and a few percent faster than "lists" (docs/design.md).
-    attend_schedule: str = "pages"
-    #: Rows with (context tokens) x (decode rows in the batch) at or below
-    #: this read every page, skipping Estimate and Select, whose fixed latency
-    #: a small batch's few pages do not repay (docs/design.md). Decided per
-    #: row on the GPU; 0 = off.
-    dense_batch_tokens: int = 36864
-    #: One of MOIRA_DENSE_STEPS: what a step whose rows are all dense runs.
-    #: Either way those rows read every page; "fa3" drops the fixed cost of
-    #: Moira's launches. Decided per step on the host (V2 runner).
-    dense_steps: str = "fa3"
     #: Page-mass estimator (one of MOIRA_ESTIMATORS); fixes the summary
     #: layout (``summary_slots``) when the KV cache is allocated.
     estimator: str = MOIRA_DEFAULT_ESTIMATOR
@@ -251,6 +330,18 @@ class MoiraConfig:
     #: One of MOIRA_REFINE_MODES: Estimate's second stage (exact masses for the
     #: wide pages near the threshold; coverage rule only).
     refine: str = MOIRA_DEFAULT_REFINE
+    #: N_F: Attend blocks of a step, which share its pages evenly. 0 = the
+    #: blocks the device holds at once (resolve_attend_fill_blocks).
+    attend_fill_blocks: int = 0
+    #: Rows with (context tokens) x (decode rows in the batch) at or below
+    #: this read every page, skipping Estimate and Select, whose fixed latency
+    #: a small batch's few pages do not repay. Decided per row on the GPU;
+    #: 0 = off.
+    dense_batch_tokens: int = 36864
+    #: One of MOIRA_DENSE_STEPS: what a step whose rows are all dense runs.
+    #: Either way those rows read every page; "fa3" drops the fixed cost of
+    #: Moira's launches. Decided per step on the host (V2 runner).
+    dense_steps: str = "fa3"
 
     @classmethod
     def paper(cls, **changes: Any) -> MoiraConfig:
@@ -300,19 +391,10 @@ class MoiraConfig:
                 f"{n('fixed_fraction')}={self.fixed_fraction!r} with "
                 f"{n('selector')}={self.selector!r}"
             )
-        for field in ("min_chunk_pages", "min_splits_per_row", "min_splits_total"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Moira: {n(field)} must be an integer >= 1, got {value!r}")
         if not isinstance(self.attend_fill_blocks, int) or self.attend_fill_blocks < 0:
             raise ValueError(
                 f"Moira: {n('attend_fill_blocks')} must be an integer >= 0 (0 = the blocks "
                 f"the GPU holds at once), got {self.attend_fill_blocks!r}"
-            )
-        if self.attend_schedule not in MOIRA_ATTEND_SCHEDULES:
-            raise ValueError(
-                f"Moira: {n('attend_schedule')} must be one of {MOIRA_ATTEND_SCHEDULES}, "
-                f"got {self.attend_schedule!r}"
             )
         if not isinstance(self.dense_batch_tokens, int) or self.dense_batch_tokens < 0:
             raise ValueError(
@@ -369,11 +451,6 @@ class MoiraConfig:
         dense_pages = float(self.dense_batch_tokens // MOIRA_PAGE_SIZE)
         return (self.gamma, fixed_pages, fixed_fraction, dense_pages)
 
-    def num_splits(self, num_rows: int, num_kv_heads: int) -> int:
-        """J of Eq. 4: Attend blocks per (row, KV head) for a batch of rows."""
-        per_grid = triton.cdiv(self.min_splits_total, max(num_rows, 1) * num_kv_heads)
-        return max(self.min_splits_per_row, per_grid)
-
 
 def estimator_num_top(estimator: str) -> int:
     """r: keys per page and KV head that ``estimator`` stores exactly."""
@@ -388,52 +465,54 @@ def summary_slots(estimator: str) -> int:
     return 2 + estimator_num_top(estimator)
 
 
-# MOIRA_* environment variable -> (MoiraConfig field, type). Environment
-# variables reach every process vLLM starts (API server, engine core,
-# workers) without changes to vLLM's config classes, and vLLM's check of
-# VLLM_* names leaves them alone.
+# MOIRA_* environment variable -> (MoiraConfig field, type): the options a user
+# sets. Environment variables reach every process vLLM starts
+# (API server, engine core, workers) without changes to vLLM's config classes,
+# and vLLM's check of VLLM_* names leaves them alone.
 _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_GAMMA": ("gamma", float),
     "MOIRA_SELECTOR": ("selector", str),
     "MOIRA_FIXED_PAGES": ("fixed_pages", int),
     "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
-    "MOIRA_MIN_CHUNK_PAGES": ("min_chunk_pages", int),
-    "MOIRA_MIN_SPLITS_PER_ROW": ("min_splits_per_row", int),
-    "MOIRA_MIN_SPLITS_TOTAL": ("min_splits_total", int),
     "MOIRA_ESTIMATOR": ("estimator", str),
-    "MOIRA_ATTEND_FILL_BLOCKS": ("attend_fill_blocks", int),
-    "MOIRA_ATTEND_SCHEDULE": ("attend_schedule", str),
-    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
-    "MOIRA_DENSE_STEPS": ("dense_steps", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
     "MOIRA_REFINE": ("refine", str),
 }
+# Benchmark-only: the accuracy runs read every row through the selector (0),
+# where serving reads short rows whole.
+_MOIRA_BENCHMARK_ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "MOIRA_DENSE_BATCH_TOKENS": ("dense_batch_tokens", int),
+}
+# MOIRA_* names of the project's tooling (build, tests, scripts), not options.
+_MOIRA_TOOLING_ENV = frozenset({
+    "MOIRA_BUILD_ARGS", "MOIRA_CACHE_DIR", "MOIRA_NO_PIP", "MOIRA_PATCHES_DIR",
+    "MOIRA_PATCH_TOOL", "MOIRA_SKIP_GPU_CHECK", "MOIRA_SKIP_LINT", "MOIRA_SKIP_REAL_MODEL",
+    "MOIRA_TEST_ATTEND_LAUNCH", "MOIRA_TEST_ESTIMATE_LAUNCH", "MOIRA_TEST_GPU",
+    "MOIRA_USE_ACTIVE_ENV", "MOIRA_VENV", "MOIRA_VLLM_SDIST", "MOIRA_VLLM_TESTS_REPORT",
+})  # fmt: skip
 
 
 def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConfig:
     """Build and validate the MoiraConfig from MOIRA_* environment variables.
 
     Unset variables keep MoiraConfig's defaults. Errors name the variable and
-    its allowed values. Near-misses of a variable's name (e.g. MOIRA_GAMA)
-    are rejected, so a typo cannot silently run with the default.
+    its allowed values. Any other MOIRA_* name that is not the project's
+    tooling (a typo, or an option that no longer exists) is refused with the
+    supported ones, so it cannot silently run with the defaults.
     """
     environ = os.environ if environ is None else environ
-    # Other MOIRA_* names belong to the project's tooling (MOIRA_VENV,
-    # MOIRA_TEST_GPU, ...); only near-misses of a knob are typos.
+    fields = {**_MOIRA_ENV_FIELDS, **_MOIRA_BENCHMARK_ENV_FIELDS}
     unknown = sorted(
-        k
-        for k in environ
-        if k.startswith("MOIRA_")
-        and k not in _MOIRA_ENV_FIELDS
-        and difflib.get_close_matches(k, _MOIRA_ENV_FIELDS, n=1, cutoff=0.85)
-    )
+        k for k in environ
+        if k.startswith("MOIRA_") and k not in fields and k not in _MOIRA_TOOLING_ENV
+    )  # fmt: skip
     if unknown:
         raise ValueError(
-            f"Moira: unknown environment variable(s) {unknown}; "
-            f"supported: {sorted(_MOIRA_ENV_FIELDS)}"
+            f"Moira: unknown environment variable(s) {unknown}; supported: "
+            f"{sorted(_MOIRA_ENV_FIELDS)} (benchmarks: {sorted(_MOIRA_BENCHMARK_ENV_FIELDS)})"
         )
     kwargs: dict[str, Any] = {}
-    for env_name, (field_name, kind) in _MOIRA_ENV_FIELDS.items():
+    for env_name, (field_name, kind) in fields.items():
         raw = environ.get(env_name)
         if raw is None or raw.strip() == "":
             continue
@@ -443,7 +522,7 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
         except ValueError:
             raise ValueError(f"Moira: {env_name}={raw!r} is not a valid {kind.__name__}") from None
     config = MoiraConfig(**kwargs)
-    config.validate({field: env for env, (field, _) in _MOIRA_ENV_FIELDS.items()})
+    config.validate({field: env for env, (field, _) in fields.items()})
     return config
 
 
@@ -485,39 +564,12 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _estimate_tile_pages(setting: int | str, num_top: int, int8: bool) -> int:
-    """ESTIMATE_LAUNCH["tile_pages"] -> pages per Estimate summary program for
-    an estimator with ``num_top`` stored keys on int8 (or bf16) summaries."""
-    if setting == "auto":
-        return 64 if num_top == 0 and int8 else 32
-    if not isinstance(setting, int) or setting < 16 or setting & (setting - 1):
-        raise ValueError(
-            f"ESTIMATE_LAUNCH['tile_pages'] must be 'auto' or a power of two >= 16, got {setting!r}"
-        )
-    return setting
-
-
-def _int8_convert_mode(name: str, num_top: int, tile_pages: int) -> int:
-    """ESTIMATE_LAUNCH["int8_convert"] -> kernel_moira_estimate's INT8_CONVERT
-    for an estimator with ``num_top`` stored keys on tiles of ``tile_pages``."""
-    if name == "auto":
-        name = "imma" if num_top > 0 or tile_pages >= 64 else "prmt"
-    if name == "bf16":
-        return 0
-    if name == "prmt":
-        return 1 if _triton_interpreting() else 2
-    if name == "imma":
-        return 3
-    raise ValueError(
-        f"ESTIMATE_LAUNCH['int8_convert'] must be 'auto', 'prmt', 'bf16' or 'imma', got {name!r}"
-    )
-
-
-def _estimate_rows(group_size: int, int8_digits: bool) -> int:
+def _estimate_rows(group_size: int, int8: bool) -> int:
     """Query-head columns of Estimate's [pages, heads] tiles: GROUP_ROWS for
     bf16 products (tl.dot's 16-row minimum), G padded to a power of two and to
-    4 for int8 digit products, whose 4 digits per head fill the 16 columns."""
-    if int8_digits:
+    4 for int8 summaries' digit products, whose 4 digits per head fill the 16
+    columns."""
+    if int8:
         return max(4, triton.next_power_of_2(group_size))
     return _group_rows(group_size)
 
@@ -529,13 +581,17 @@ def _register_cap(maxnreg: int | None) -> dict[str, int]:
     return {"maxnreg": int(maxnreg)}
 
 
-def _dependent_launch() -> dict[str, Any]:
-    """USE_GDC / EARLY_TRIGGER flags and the launch option of a decode-step
-    kernel (DECODE_LAUNCH). Empty (plain launches, where stream order starts
-    each kernel after the previous one) under the interpreter, without
-    Triton's grid dependency control, and off a Hopper GPU."""
+def _dependent_launch(launch: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Any]:
+    """USE_GDC flag and the launch option of a decode-step kernel: Hopper's
+    programmatic dependent launch, so each kernel may be scheduled while the
+    previous one finishes and waits (gdc_wait) for its memory first, with the
+    same outputs, bit for bit, as plain launches. Empty (plain launches, where
+    stream order starts each kernel after the previous one) when ``launch``'s
+    "step" overrides set pdl False, under the interpreter, without Triton's
+    grid dependency control, and off a Hopper GPU."""
+    step = _overridden("step", {"pdl": True}, (launch or {}).get("step"))
     on = (
-        bool(DECODE_LAUNCH["pdl"])
+        bool(step["pdl"])
         and gdc_wait is not None
         and not _triton_interpreting()
         and torch.cuda.is_available()
@@ -543,22 +599,18 @@ def _dependent_launch() -> dict[str, Any]:
     )
     if not on:
         return {}
-    return {"USE_GDC": True, "EARLY_TRIGGER": bool(DECODE_LAUNCH["early_trigger"]),
-            "launch_pdl": True}  # fmt: skip
+    return {"USE_GDC": True, "launch_pdl": True}
 
 
 @triton.jit
-def _wait_for_previous_kernel(USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
     # Under a dependent launch this kernel's blocks may start before the
     # previous kernel has finished: wait until its memory is visible before
-    # any load or store. EARLY_TRIGGER then lets the next kernel's blocks be
-    # scheduled (they wait in turn, so every kernel still sees all earlier
-    # ones complete); otherwise they are scheduled as this kernel's blocks
-    # exit.
+    # any load or store. The next kernel's blocks are scheduled as this
+    # kernel's blocks exit, and wait in turn, so every kernel sees all earlier
+    # ones complete.
     if USE_GDC:
         gdc_wait()
-        if EARLY_TRIGGER:
-            gdc_launch_dependents()
 
 
 def resolve_attend_fill_blocks(config: MoiraConfig, device: torch.device | str) -> int:
@@ -643,9 +695,8 @@ def _store_summary_slot(
     scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
     slot,
     vec,  # [HEAD_SIZE] fp32
-    HEAD_SIZE: tl.constexpr,
-    INT8: tl.constexpr,
-):
+    HEAD_SIZE: tl.constexpr, INT8: tl.constexpr,
+):  # fmt: skip
     offs_d = tl.arange(0, HEAD_SIZE)
     if INT8:
         q, scale = _quantize_slot(vec, 127.0)
@@ -663,7 +714,7 @@ def _store_int4_key_pair(
     even_key,  # [HEAD_SIZE] fp32: stored key 2 pair
     odd_key,  # [HEAD_SIZE] fp32: stored key 2 pair + 1
     HEAD_SIZE: tl.constexpr,
-):
+):  # fmt: skip
     # Each key symmetric in 4 bits with its own scale (absmax / 7, as
     # ref.quantize_summaries_int4), the pair in one byte per channel: the odd
     # key in the high nibble (two's complement), the even key plus 8 in the
@@ -680,37 +731,21 @@ def _store_int4_key_pair(
 
 
 @triton.jit
-def _int4_key_pair(packed):
-    # Stored keys 2 i and 2 i + 1 of row 2 + i (_store_int4_key_pair) as int8
-    # values in [-7, 7]: the odd key is floor(byte / 16), the even key the
-    # low nibble minus 8. In int32 arithmetic, which is the same on the GPU
-    # and in the interpreter. For the int8 conversions other than "imma",
-    # which take the keys one by one (_int4_pair_digit_dots does not unpack).
-    x = packed.to(tl.int32)
-    odd = x >> 4
-    even = (x & 15) - 8
-    return even.to(tl.int8), odd.to(tl.int8)
-
-
-@triton.jit
 def _summarize_page(
-    page_keys,  # this (block, KV head)'s keys: [PAGE_SIZE, HEAD_SIZE] at stride_kv_token
-    out,  # its summary: [2 + NUM_TOP, HEAD_SIZE] bf16 or int8
-    scales,  # its slot scales: [2 + NUM_TOP] fp32 (if INT8)
-    stride_kv_token,
+    block,  # the page's block id
+    head,  # its KV head
+    kv_cache_ptr, summaries_ptr, scales_ptr,  # as kernel_moira_write_summaries'
+    stride_kv_block, stride_kv_head, stride_kv_token, stride_sum_block, stride_sum_head,
+    stride_scale_block, stride_scale_head,
     k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    NUM_TOP: tl.constexpr,
-    INT8: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    INT4: tl.constexpr = False,
-):
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_TOP: tl.constexpr,
+    INT8: tl.constexpr, KV_FP8: tl.constexpr, INT4: tl.constexpr,
+):  # fmt: skip
     # The summary of one full page, from its 64 keys in the cache. Shared by
     # the summary writer (prefill) and Estimate (a decode row's page that its
     # new token filled), so both store the same bits.
-    # NUM_TOP = 0 (mvar, mvar_rem): slot 0 = mean, slot 1 = variance of the
-    # 64 keys. NUM_TOP = r > 0 (mvar_top{r}): slots 2 .. 1 + r = the r keys
+    # NUM_TOP = 0 (mvar): slot 0 = mean, slot 1 = variance of the 64 keys.
+    # NUM_TOP = r > 0 (mvar_top8): slots 2 .. 1 + r = the r keys
     # farthest (L2) from the mean of the 64 keys, farthest first (ties: lower
     # token index), copied bit for bit; slots 0 / 1 = mean / variance of the
     # other 64 - r keys (the bulk). INT8: every slot vector stored as int8
@@ -718,6 +753,9 @@ def _summarize_page(
     # INT4 (with INT8): the stored keys in 4 bits instead, two per row.
     # KV_FP8: the summary of the dequantized keys (e4m3 value x k_scale, in
     # fp32), so that Estimate meets them as it meets bf16 keys.
+    page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
+    out = summaries_ptr + block * stride_sum_block + head * stride_sum_head
+    scales = scales_ptr + block * stride_scale_block + head * stride_scale_head
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     # One flat load of the page's keys, reshaped, so the register layout (and
@@ -779,23 +817,13 @@ def kernel_moira_write_summaries(
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
     k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
     num_tokens,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    WINDOW_TOKENS: tl.constexpr,
-    NUM_TOP: tl.constexpr = 0,
-    INT8: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    INT4: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,
+    stride_sum_block: tl.int64, stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64, stride_scale_head: tl.int64,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW_TOKENS: tl.constexpr,
+    NUM_TOP: tl.constexpr = 0, INT8: tl.constexpr = False, KV_FP8: tl.constexpr = False,
+    INT4: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # One program per (window of WINDOW_TOKENS tokens, KV head). It summarizes
     # the pages that its tokens fill (a token at page offset PAGE_SIZE - 1),
     # one after another in token order: one page per window of 64 tokens of
@@ -804,7 +832,7 @@ def kernel_moira_write_summaries(
     # over all of its tokens (_summarize_page: the slots). The decode step
     # does not launch it: Estimate summarizes the pages that the decode rows'
     # new tokens fill (WRITE_FILLED_PAGE).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     window = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, WINDOW_TOKENS)
@@ -818,34 +846,32 @@ def kernel_moira_write_summaries(
         first = tl.min(tl.where(fills, offs, WINDOW_TOKENS), axis=0)
         slot = tl.sum(tl.where(offs == first, slots, 0), axis=0)
         fills = fills & (offs != first)
-        block = slot // PAGE_SIZE
         _summarize_page(
-            kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
-            summaries_ptr + block * stride_sum_block + head * stride_sum_head,
-            scales_ptr + block * stride_scale_block + head * stride_scale_head,
-            stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4,
+            slot // PAGE_SIZE, head, kv_cache_ptr, summaries_ptr, scales_ptr, stride_kv_block,
+            stride_kv_head, stride_kv_token, stride_sum_block, stride_sum_head,
+            stride_scale_block, stride_scale_head, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8,
+            KV_FP8, INT4,
         )  # fmt: skip
 
 
 def write_page_summaries(
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-) -> None:
+    kv_cache: torch.Tensor, summaries: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, launch: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:  # fmt: skip
     """Summarize every page whose last slot (offset 63) is in ``slot_mapping``.
 
     Call after the KV scatter of the same tokens. ``summaries`` is
     ``[num_blocks, H_kv, 2 + r, D]`` bf16, ``[num_blocks, H_kv, 2 + r + 1, D]``
     int8 (the last row holds the slots' fp32 scales), or ``[num_blocks, H_kv, 2 +
     r / 2 + 1, D]`` uint8 (int4 stored keys, two per row): its slot count selects
-    the summary (2: mean and variance of the 64 keys, for mvar / mvar_rem; 2 + r:
-    bulk mean and variance and the r farthest keys, for mvar_top{r}).
-    It runs on Estimate's warps (ESTIMATE_LAUNCH), which summarizes the pages
+    the summary (2: mean and variance of the 64 keys, for mvar; 2 + r: bulk mean
+    and variance and the r farthest keys, for mvar_top8).
+    It runs on Estimate's warps (writer_launch), which summarizes the pages
     that decode rows fill (``write_filled_pages``), so that both store the
     same bits (the per-channel sums are reduced in the order of the warps'
     layout, and int8 scales keep every fp32 bit of it). Graph-safe: the grid
-    is the number of tokens over WRITER_LAUNCH["window_tokens"]; no host sync.
+    is the number of tokens over the launch's window; no host sync.
+    ``launch``: launch overrides by kernel (``check_launch_overrides``).
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` (the layer's fp32 scale, one
     value): the summaries are those of the dequantized keys.
     """
@@ -866,37 +892,16 @@ def write_page_summaries(
     assert kv_cache.stride(-1) == 1 and summaries.stride(3) == 1
     assert summaries.stride(2) == summaries.shape[3]
     kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
-    window_tokens = WRITER_LAUNCH["window_tokens"]
-    if window_tokens & (window_tokens - 1) or not 1 <= window_tokens <= 1024:
-        raise ValueError(
-            f"WRITER_LAUNCH['window_tokens'] must be a power of two in [1, 1024], "
-            f"got {window_tokens}"
-        )
-    grid = (triton.cdiv(num_tokens, window_tokens), kv_cache.shape[1])
+    writer = writer_launch((launch or {}).get("writer"))
+    grid = (triton.cdiv(num_tokens, writer.window_tokens), kv_cache.shape[1])
     kernel_moira_write_summaries[grid](
-        kv_cache,
-        kernel_summaries,
-        scales,
-        slot_mapping,
-        k_scale_arg,
-        num_tokens,
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        summaries.stride(0),
-        summaries.stride(1),
-        scales.stride(0),
-        scales.stride(1),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        WINDOW_TOKENS=window_tokens,
-        NUM_TOP=num_top,
-        INT8=int8,
-        INT4=int4,
-        KV_FP8=kv_fp8,
-        num_warps=ESTIMATE_LAUNCH["num_warps"],
-        **_dependent_launch(),
-    )
+        kv_cache, kernel_summaries, scales, slot_mapping, k_scale_arg, num_tokens,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), summaries.stride(0),
+        summaries.stride(1), scales.stride(0), scales.stride(1),
+        HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE, WINDOW_TOKENS=writer.window_tokens,
+        NUM_TOP=num_top, INT8=int8, INT4=int4, KV_FP8=kv_fp8, num_warps=writer.num_warps,
+        **_dependent_launch(launch),
+    )  # fmt: skip
 
 
 def rebuild_page_summaries(
@@ -973,8 +978,8 @@ def verify_page_summaries(
 
 def _integer_slots(summaries: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 or int4 (uint8) summaries ``[..., rows, D]`` as (the slots' integer values,
-    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _int4_key_pair reads
-    them; their fp32 scales ``[..., num_slots]``)."""
+    int32 ``[..., num_slots, D]``, the int4 keys unpacked as _store_int4_key_pair
+    packs them; their fp32 scales ``[..., num_slots]``)."""
     x = summaries.view(torch.int8)
     scales = x[..., -1, : 4 * num_slots].clone().view(torch.float32)
     if summaries.dtype == torch.int8:
@@ -994,39 +999,25 @@ def _fp16_query(q):
     # The bf16 query for products with fp8 K/V pages, which are converted to
     # fp16 (e4m3 -> fp16 is one exact conversion per two values; to bf16 it
     # takes three). bf16 values are exact in fp16 over its normal range; the
-    # clamp only keeps an absurd query finite, as Estimate's q_f16.
+    # clamp only keeps an absurd query finite.
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
 @triton.jit
 def _exact_page_logmass(
     q,  # [GROUP_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
-    scale,
-    kv_cache_ptr,
-    block,
-    head,
-    num_valid,
-    stride_kv_block,
-    stride_kv_head,
+    scale, kv_cache_ptr, block, head, num_valid, stride_kv_block, stride_kv_head,
     stride_kv_token,
     k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
     # log sum_k exp(s q.k) over the page's valid tokens, for every query head.
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     mask_t = offs_t < num_valid
-    keys = tl.load(
-        kv_cache_ptr
-        + block * stride_kv_block
-        + head * stride_kv_head
-        + offs_t[:, None] * stride_kv_token
-        + offs_d[None, :],
-        mask=mask_t[:, None],
-        other=0.0,
-    )
+    page_keys = kv_cache_ptr + block * stride_kv_block + head * stride_kv_head
+    keys = tl.load(page_keys + offs_t[:, None] * stride_kv_token + offs_d[None, :],
+                   mask=mask_t[:, None], other=0.0)  # fmt: skip
     if KV_FP8:
         # Dequantized keys: the e4m3 values meet q in fp16 (_fp16_query), in
         # which both are exact, and k_scale joins the softmax scale.
@@ -1045,53 +1036,6 @@ def _is_dense_row(num_pages, selector_ptr):
     # Select writes its whole list; both decide with this one test.
     dense_pages = tl.load(selector_ptr + 3)
     return (num_pages * tl.num_programs(0)).to(tl.float32) <= dense_pages
-
-
-@triton.jit
-def _int8_to_bf16(x):
-    # Exact int8 -> bf16 in integer and fp32 arithmetic instead of the two
-    # hardware conversions (int8 -> fp32 -> bf16): the fp32 bits of
-    # 2^23 + 128 + v hold v + 128 in the mantissa (one integer add), one fp32
-    # subtraction gives v, and since |v| <= 128 has at most 8 significant bits
-    # its fp32 bits end in 16 zeros: the upper half is v in bf16 (a shift).
-    # Also avoids the interpreter's bit reinterpretation on a direct cast.
-    bits = x.to(tl.int32) + 0x4B000080
-    value = bits.to(tl.float32, bitcast=True) - 8388736.0
-    upper = value.to(tl.int32, bitcast=True) >> 16
-    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _int8_to_fp16(x, PRMT: tl.constexpr):
-    # Exact int8 -> fp16, four values per 32-bit register (PRMT, on the GPU):
-    # u = v + 128 is v with its sign bit flipped (one xor for four bytes);
-    # byte permutes put 0x64 above each u, i.e. the fp16 bits of 1024 + u
-    # (fp16 steps by 1 in [1024, 2048)); one packed subtraction of 1152 per
-    # two values gives v. Five instructions per four values against ~4 per
-    # value for _int8_to_bf16 (bf16 has one mantissa bit too few for the
-    # trick); Estimate on int8 summaries is bound by instruction issue.
-    # PRMT False (the interpreter, which has no inline PTX): the plain cast,
-    # the same values.
-    if PRMT:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u, high, magic;
-            mov.b32 high, 0x64646464;
-            mov.b32 magic, 0x64806480;
-            xor.b32 u, $2, 0x80808080;
-            prmt.b32 $0, u, high, 0x5140;
-            prmt.b32 $1, u, high, 0x7362;
-            sub.rn.f16x2 $0, $0, magic;
-            sub.rn.f16x2 $1, $1, magic;
-            }""",
-            constraints="=r,=r,r",
-            args=[x],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        return x.to(tl.float16)
 
 
 @triton.jit
@@ -1156,8 +1100,8 @@ def _int4_pair_digit_dots(
     # per-key unpacking: the byte is 16 odd + (even + 8) (_store_int4_key_pair),
     # so its high nibble in place (byte & 0xF0 = 16 odd) and its low nibble
     # (even + 8) are valid int8 operands as they are, one bitwise AND per byte
-    # each, where unpacking both keys took about 2.6 times the instructions
-    # of an int8 key's loop body (the sm_90 SASS). Then q.odd = q.(16 odd) / 16
+    # each, where unpacking both keys costs several instructions per key on
+    # an issue-bound loop. Then q.odd = q.(16 odd) / 16
     # and q.even = q.(even + 8) - 8 sum(digits), exact in int32 (|products| <
     # 2^21): the same integers as the unpacked keys' products, so the same
     # bits. Returns (even, odd) logits [TILE_PAGES, ROWS] fp32, before the
@@ -1173,43 +1117,18 @@ def _int4_pair_digit_dots(
 
 
 @triton.jit
-def _int8_slot_dot(
-    slot, q, q_f16, q_digits, q_step, TILE_PAGES: tl.constexpr, EST_ROWS: tl.constexpr,
-    INT8_CONVERT: tl.constexpr,
-):  # fmt: skip
-    # [TILE_PAGES, HEAD_SIZE] int8 slot values times q^T on the tensor cores:
-    # [TILE_PAGES, EST_ROWS] fp32, before the slot's scale. INT8_CONVERT:
-    # 0 = bf16 (_int8_to_bf16), 1 = fp16 by casts, 2 = fp16 by byte permutes,
-    # 3 = the slot as stored against q's int8 digits (_int8_digit_dot).
-    if INT8_CONVERT == 0:
-        return tl.dot(_int8_to_bf16(slot), tl.trans(q))
-    elif INT8_CONVERT == 3:
-        return _int8_digit_dot(slot, q_digits, q_step, TILE_PAGES, EST_ROWS)
-    else:
-        return tl.dot(_int8_to_fp16(slot, INT8_CONVERT == 2), tl.trans(q_f16))
-
-
-@triton.jit
 def _add_stored_key(
     peak,  # [TILE_PAGES, EST_ROWS] fp32 running max of the page's log-terms
     total,  # [TILE_PAGES, EST_ROWS] fp32 running sum of exp(term - peak)
     key,  # [TILE_PAGES, HEAD_SIZE] stored key j of each page, as stored (bf16 or int8)
     page_scales,  # [TILE_PAGES] pointers to the pages' slot scales (if INT8)
     j,  # stored key index (slot 2 + j)
-    q,
-    q_f16,
-    q_digits,
-    q_step,
-    scale,
-    mask_p,
-    TILE_PAGES: tl.constexpr,
-    EST_ROWS: tl.constexpr,
+    q, q_digits, q_step, scale, mask_p, TILE_PAGES: tl.constexpr, EST_ROWS: tl.constexpr,
     INT8: tl.constexpr,
-    INT8_CONVERT: tl.constexpr,
-):
+):  # fmt: skip
     # One stored key's exact logits, folded into the online logaddexp.
     if INT8:
-        logit = _int8_slot_dot(key, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
+        logit = _int8_digit_dot(key, q_digits, q_step, TILE_PAGES, EST_ROWS)
     else:
         logit = tl.dot(key, tl.trans(q))
     return _fold_key_logit(peak, total, logit, page_scales, j, scale, mask_p, INT8)
@@ -1230,48 +1149,30 @@ def _fold_key_logit(peak, total, logit, page_scales, j, scale, mask_p, INT8: tl.
 @triton.jit
 def _summary_tile_logmass(
     q,  # [EST_ROWS, HEAD_SIZE] bf16 query heads of the KV head (padded rows 0)
-    q_f16,  # [EST_ROWS, HEAD_SIZE] fp16: q, for int8 slots (if INT8_CONVERT in (1, 2))
-    q_sq_hi,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2, high part
-    q_sq_lo,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part
-    q_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: q's digits (if INT8_CONVERT == 3)
+    q_sq_hi,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2, high part (if not INT8)
+    q_sq_lo,  # [EST_ROWS, HEAD_SIZE] bf16: (s q)^2 - high part (if not INT8)
+    q_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: q's digits (if INT8)
     q_step,  # [EST_ROWS, 4] fp32: their steps
-    sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8_CONVERT == 3)
+    sq_digits,  # [4 * EST_ROWS, HEAD_SIZE] int8: (s q)^2's digits (if INT8)
     sq_step,  # [EST_ROWS, 4] fp32: their steps
-    scale,
-    summaries_ptr,
-    scales_ptr,
+    scale, summaries_ptr, scales_ptr,
     bt_row,  # this row's block table
     pages,  # [TILE_PAGES] logical pages of the tile
     mask_p,  # [TILE_PAGES] pages the tile estimates
-    head,
-    stride_sum_block,
-    stride_sum_head,
-    stride_scale_block,
-    stride_scale_head,
-    EST_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    REM_SPREAD: tl.constexpr,
-    NUM_TOP: tl.constexpr,
-    INT8: tl.constexpr,
-    KEY_STAGES: tl.constexpr,
-    INT8_CONVERT: tl.constexpr,
+    head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
+    EST_ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_PAGES: tl.constexpr, NUM_TOP: tl.constexpr, INT8: tl.constexpr, KEY_STAGES: tl.constexpr,
     INT4: tl.constexpr = False,
-):
+):  # fmt: skip
     # The summary estimate of one tile of pages, all G query heads at once on
     # the tensor cores: [TILE_PAGES, EST_ROWS] fp32. Products of bf16 values
     # are exact in the fp32 accumulator, so the mean term is fp32-exact up to
     # summation order; (s q)^2 is split into two bf16 parts (hi + lo) so the
-    # spread term keeps ~16 significant bits. INT8 summaries: the int8 values
-    # are exact in fp16 and bf16, so each slot's product is taken as stored
-    # and scaled by the slot's fp32 scale afterwards (one multiply per page);
-    # the mean and the stored keys meet q in fp16 (INT8_CONVERT > 0; exact for
-    # |q| in [2^-17, 65504], so the products are the bf16 ones) or bf16, the
-    # variance meets the bf16 parts of (s q)^2. INT8_CONVERT == 3: every int8
-    # slot, the variance too, meets the int8 digits of q or (s q)^2 as stored
+    # spread term keeps ~16 significant bits. INT8 summaries: every slot, the
+    # variance too, meets the int8 digits of q or (s q)^2 as stored
     # (_int8_digits: exact to 2^-27 of the row's largest value), one int32
-    # product per slot with all heads' digits in its 16+ columns.
+    # product per slot with all heads' digits in its 16+ columns, scaled by
+    # the slot's fp32 scale afterwards (one multiply per page).
     offs_d = tl.arange(0, HEAD_SIZE)
     blocks = tl.load(bt_row + pages, mask=mask_p, other=0)
     summary = (
@@ -1289,21 +1190,16 @@ def _summary_tile_logmass(
 
     # Eq. 2: s q.mu + 1/2 (s q)^2 . sigma^2 + log S, as [TILE_PAGES, EST_ROWS]
     if INT8:
-        est = _int8_slot_dot(mean, q, q_f16, q_digits, q_step, TILE_PAGES, EST_ROWS, INT8_CONVERT)
+        est = _int8_digit_dot(mean, q_digits, q_step, TILE_PAGES, EST_ROWS)
         est = est * scale * mean_scale
-        if INT8_CONVERT == 3:
-            v = _int8_digit_dot(var, sq_digits, sq_step, TILE_PAGES, EST_ROWS)
-        else:
-            var = _int8_to_bf16(var)
-            v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-        v = v * var_scale
+        v = _int8_digit_dot(var, sq_digits, sq_step, TILE_PAGES, EST_ROWS) * var_scale
     else:
         est = tl.dot(mean, tl.trans(q)) * scale
         v = tl.dot(var, tl.trans(q_sq_hi)) + tl.dot(var, tl.trans(q_sq_lo))
-    if REM_SPREAD:
-        # mvar_rem / mvar_top{r} (docs/estimator.md): the spread term of the
-        # random energy model over the m = 64 - r summarized keys, v / 2 up to
-        # v = 2 ln m, then linear in sqrt(v).
+    if NUM_TOP > 0:
+        # mvar_top8: the spread term of the random energy model over the
+        # m = 64 - r summarized keys, v / 2 up to v = 2 ln m, then linear in
+        # sqrt(v).
         log_m = tl.log((PAGE_SIZE - NUM_TOP) * 1.0)
         v = tl.maximum(v, 0.0)
         spread = tl.where(v <= 2.0 * log_m, 0.5 * v, tl.sqrt(2.0 * log_m) * tl.sqrt(v) - log_m)
@@ -1318,46 +1214,46 @@ def _summary_tile_logmass(
         total = tl.full([TILE_PAGES, EST_ROWS], 1.0, tl.float32)
         # A loop that Triton software-pipelines (KEY_STAGES > 1: the next
         # keys' tiles are copied into shared memory while this key's product
-        # runs), faster than the unrolled keys (docs/design.md). INT4: one
-        # load per pair of keys (row 2 + i holds keys 2 i and 2 i + 1), whose
-        # products with q are those of int8 keys, in the same order.
+        # runs), faster than the unrolled keys. INT4: one load per pair of
+        # keys (row 2 + i holds keys 2 i and 2 i + 1), whose products with q
+        # are those of int8 keys, in the same order.
         if INT4:
-            if INT8_CONVERT == 3:
-                # Each head digit's sum over the channels: [4 * EST_ROWS] int32.
-                digit_sums = tl.sum(q_digits.to(tl.int32), axis=1)
+            # Each head digit's sum over the channels: [4 * EST_ROWS] int32.
+            digit_sums = tl.sum(q_digits.to(tl.int32), axis=1)
             for i in tl.range(0, NUM_TOP // 2, num_stages=KEY_STAGES):
                 packed = tl.load(summary + (2 + i) * HEAD_SIZE + offs_d[None, :],
                                  mask=mask_p[:, None], other=0)  # fmt: skip
-                if INT8_CONVERT == 3:
-                    even, odd = _int4_pair_digit_dots(
-                        packed, q_digits, digit_sums, q_step, TILE_PAGES, EST_ROWS
-                    )
-                    peak, total = _fold_key_logit(
-                        peak, total, even, page_scales, 2 * i, scale, mask_p, INT8
-                    )
-                    peak, total = _fold_key_logit(
-                        peak, total, odd, page_scales, 2 * i + 1, scale, mask_p, INT8
-                    )
-                else:
-                    even, odd = _int4_key_pair(packed)
-                    peak, total = _add_stored_key(
-                        peak, total, even, page_scales, 2 * i, q, q_f16, q_digits, q_step,
-                        scale, mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
-                    )  # fmt: skip
-                    peak, total = _add_stored_key(
-                        peak, total, odd, page_scales, 2 * i + 1, q, q_f16, q_digits, q_step,
-                        scale, mask_p, TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
-                    )  # fmt: skip
+                even, odd = _int4_pair_digit_dots(
+                    packed, q_digits, digit_sums, q_step, TILE_PAGES, EST_ROWS
+                )
+                peak, total = _fold_key_logit(
+                    peak, total, even, page_scales, 2 * i, scale, mask_p, INT8
+                )
+                peak, total = _fold_key_logit(
+                    peak, total, odd, page_scales, 2 * i + 1, scale, mask_p, INT8
+                )
         else:
             for j in tl.range(0, NUM_TOP, num_stages=KEY_STAGES):
                 key = tl.load(summary + (2 + j) * HEAD_SIZE + offs_d[None, :],
                               mask=mask_p[:, None], other=0.0)  # fmt: skip
                 peak, total = _add_stored_key(
-                    peak, total, key, page_scales, j, q, q_f16, q_digits, q_step, scale, mask_p,
-                    TILE_PAGES, EST_ROWS, INT8, INT8_CONVERT,
+                    peak, total, key, page_scales, j, q, q_digits, q_step, scale, mask_p,
+                    TILE_PAGES, EST_ROWS, INT8,
                 )  # fmt: skip
         est = peak + tl.log(total)
     return est
+
+
+@triton.jit
+def _query_heads(q_heads, stride_q_head, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                 HEAD_SIZE: tl.constexpr):  # fmt: skip
+    # The G query heads of a KV head as a [ROWS, HEAD_SIZE] tile (padded rows
+    # 0), with the rows' offsets and mask.
+    offs = tl.arange(0, ROWS)
+    mask = offs < GROUP_SIZE
+    q = tl.load(q_heads + offs[:, None] * stride_q_head + tl.arange(0, HEAD_SIZE)[None, :],
+                mask=mask[:, None], other=0.0)  # fmt: skip
+    return q, offs, mask
 
 
 @triton.jit
@@ -1370,41 +1266,22 @@ def kernel_moira_estimate(
     seq_lens_ptr,  # [num_rows] int32
     logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (out)
     selector_ptr,  # [4] fp32: gamma, K, fraction, dense batch pages (if SKIP_DENSE_ROWS)
-    list_pages_ptr,  # [1] int32: the step's pages in all lists (zeroed, if RESET_LIST_PAGES)
+    kept_total_ptr,  # [1] int32: the step's pages in all lists (zeroed, if RESET_KEPT_TOTAL)
     k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
     scale,
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
+    stride_q_row: tl.int64, stride_q_head: tl.int64,
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,
+    stride_sum_block: tl.int64, stride_sum_head: tl.int64,
+    stride_scale_block: tl.int64, stride_scale_head: tl.int64,
     stride_bt_row: tl.int64,
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    EST_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    REM_SPREAD: tl.constexpr = False,
-    NUM_TOP: tl.constexpr = 0,
-    SKIP_DENSE_ROWS: tl.constexpr = False,
-    INT8: tl.constexpr = False,
-    KEY_STAGES: tl.constexpr = 1,
-    INT8_CONVERT: tl.constexpr = 0,
-    RESET_LIST_PAGES: tl.constexpr = False,
-    WRITE_FILLED_PAGE: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    INT4: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
+    stride_lm_row: tl.int64, stride_lm_head: tl.int64, stride_lm_group: tl.int64,
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, EST_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    NUM_TOP: tl.constexpr = 0, SKIP_DENSE_ROWS: tl.constexpr = False,
+    INT8: tl.constexpr = False, KEY_STAGES: tl.constexpr = 1,
+    RESET_KEPT_TOTAL: tl.constexpr = False, WRITE_FILLED_PAGE: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, INT4: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # Programs (row, KV head, z). z = 0 and 1 compute the sink page and the
     # current page exactly from the keys: programs of their own, so that the
     # exact pages (a 64-key read and a softmax) do not lengthen the critical
@@ -1419,13 +1296,13 @@ def kernel_moira_estimate(
     # kernel's end. Nothing that kernel writes is read, and nothing is
     # stored, before the wait.
     seq_len = tl.load(seq_lens_ptr + row)
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     # Select (the next kernel) adds every list's length to this total, which
     # sizes Attend's chunks; one program zeroes it for the step. (The outer
     # test is a constexpr: without it the store is not compiled at all.)
-    if RESET_LIST_PAGES:  # noqa: SIM102
+    if RESET_KEPT_TOTAL:  # noqa: SIM102
         if (row == 0) & (head == 0) & (z == 0):
-            tl.store(list_pages_ptr, 0)
+            tl.store(kept_total_ptr, 0)
     tile = z - 2
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     last = num_pages - 1
@@ -1441,12 +1318,10 @@ def kernel_moira_estimate(
         of_current_page = (z == 1) | ((z == 0) & (last == 0))
         if of_current_page & (seq_len > 0) & (seq_len % PAGE_SIZE == 0):
             block = tl.load(block_table_ptr + row * stride_bt_row + last).to(tl.int64)
-            _summarize_page(
-                kv_cache_ptr + block * stride_kv_block + head * stride_kv_head,
-                summaries_ptr + block * stride_sum_block + head * stride_sum_head,
-                scales_ptr + block * stride_scale_block + head * stride_scale_head,
-                stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4,
-            )  # fmt: skip
+            _summarize_page(block, head, kv_cache_ptr, summaries_ptr, scales_ptr,
+                            stride_kv_block, stride_kv_head, stride_kv_token, stride_sum_block,
+                            stride_sum_head, stride_scale_block, stride_scale_head, k_scale,
+                            HEAD_SIZE, PAGE_SIZE, NUM_TOP, INT8, KV_FP8, INT4)  # fmt: skip
     # Idle programs: tiles past the row's end, and the current-page program of
     # a one-page row (its current page is the sink page, z = 0 has it).
     idle = (num_pages == 0) | ((z >= 2) & (tile * TILE_PAGES >= num_pages))
@@ -1456,34 +1331,24 @@ def kernel_moira_estimate(
         idle = idle | _is_dense_row(num_pages, selector_ptr)
     if idle:
         return
-    offs_d = tl.arange(0, HEAD_SIZE)
     q_heads = query_ptr + row * stride_q_row + head * GROUP_SIZE * stride_q_head
     lm_row = logmass_ptr + row * stride_lm_row + head * stride_lm_head
     if z >= 2:
         # The tile's query rows: EST_ROWS (= GROUP_ROWS unless the int8
         # digit products pack the heads, _estimate_rows).
-        offs_e = tl.arange(0, EST_ROWS)
-        mask_e = offs_e < GROUP_SIZE
-        q_rows = tl.load(
-            q_heads + offs_e[:, None] * stride_q_head + offs_d[None, :],
-            mask=mask_e[:, None],
-            other=0.0,
-        )
+        q_rows, offs_e, mask_e = _query_heads(q_heads, stride_q_head, GROUP_SIZE, EST_ROWS,
+                                              HEAD_SIZE)  # fmt: skip
         q_scaled = q_rows.to(tl.float32) * scale
         q_sq = q_scaled * q_scaled
-        if INT8 and INT8_CONVERT == 3:
+        if INT8:
             q_digits, q_step = _int8_digits(q_rows.to(tl.float32), EST_ROWS, HEAD_SIZE)
             sq_digits, sq_step = _int8_digits(q_sq, EST_ROWS, HEAD_SIZE)
             # Unused on this path.
-            q_f16 = q_rows
             q_sq_hi = q_rows
             q_sq_lo = q_rows
         else:
             q_sq_hi = q_sq.to(tl.bfloat16)
             q_sq_lo = (q_sq - q_sq_hi.to(tl.float32)).to(tl.bfloat16)
-            # fp16 has the range for any real query; the clamp only keeps an
-            # absurd one finite.
-            q_f16 = tl.clamp(q_rows.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             # Unused on this path.
             q_digits = q_rows
             q_step = q_sq
@@ -1493,11 +1358,10 @@ def kernel_moira_estimate(
         # Page 0 and the current page belong to the exact programs.
         mask_p = (pages > 0) & (pages < last)
         est = _summary_tile_logmass(
-            q_rows, q_f16, q_sq_hi, q_sq_lo, q_digits, q_step, sq_digits, sq_step, scale,
+            q_rows, q_sq_hi, q_sq_lo, q_digits, q_step, sq_digits, sq_step, scale,
             summaries_ptr, scales_ptr, block_table_ptr + row * stride_bt_row, pages, mask_p,
             head, stride_sum_block, stride_sum_head, stride_scale_block, stride_scale_head,
-            EST_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, REM_SPREAD, NUM_TOP, INT8,
-            KEY_STAGES, INT8_CONVERT, INT4,
+            EST_ROWS, HEAD_SIZE, PAGE_SIZE, TILE_PAGES, NUM_TOP, INT8, KEY_STAGES, INT4,
         )  # fmt: skip
         tl.store(
             lm_row + offs_e[None, :] * stride_lm_group + pages[:, None],
@@ -1505,13 +1369,7 @@ def kernel_moira_estimate(
             mask=mask_p[:, None] & mask_e[None, :],
         )
     else:
-        offs_g = tl.arange(0, GROUP_ROWS)
-        mask_g = offs_g < GROUP_SIZE
-        q = tl.load(
-            q_heads + offs_g[:, None] * stride_q_head + offs_d[None, :],
-            mask=mask_g[:, None],
-            other=0.0,
-        )
+        q, offs_g, mask_g = _query_heads(q_heads, stride_q_head, GROUP_SIZE, GROUP_ROWS, HEAD_SIZE)
         # The sink page (z = 0) or the current page (z = 1), from the keys.
         page = tl.where(z == 0, 0, last)
         block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
@@ -1538,19 +1396,12 @@ def _estimate_strides(query, kv_cache, summaries, scales, block_table, logmass) 
 
 
 def estimate_page_logmass(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    logmass: torch.Tensor,
-    scale: float,
-    estimator: str,
-    selector_params: torch.Tensor | None = None,
-    list_pages: torch.Tensor | None = None,
-    write_filled_pages: bool = False,
-    k_scale: torch.Tensor | None = None,
-) -> None:
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, logmass: torch.Tensor, scale: float,
+    estimator: str, selector_params: torch.Tensor | None = None,
+    kept_total: torch.Tensor | None = None, write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None, launch: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:  # fmt: skip
     """Fill ``logmass[:B, h, g, :n_pages]`` for every row (Eq. 2, or the
     ``estimator``'s formula; sink and current page exact). ``summaries`` must
     have ``summary_slots(estimator)`` slots (no default: the summaries decide,
@@ -1558,13 +1409,14 @@ def estimate_page_logmass(
     ``block_table.shape[1]`` pages per row. ``selector_params``
     (``MoiraWorkspace.selector_params``): rows that Select will keep whole
     (``dense_batch_tokens``) are skipped; None estimates every row.
-    ``list_pages`` (int32 ``[1]``, ``MoiraWorkspace.list_pages``) is zeroed
+    ``kept_total`` (int32 ``[1]``, ``MoiraWorkspace.kept_total``) is zeroed
     for Select to sum the step's list lengths into. ``write_filled_pages``:
     also write the summary of each row's current page whose 64 tokens are
     all in (``seq_len % 64 == 0``), as ``write_page_summaries`` does for its
     last slot: the decode step's summary write, without a launch of its own.
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` (the layer's fp32 scale, one
-    value): the exact pages read the dequantized keys."""
+    value): the exact pages read the dequantized keys. ``launch``: launch
+    overrides by kernel (``check_launch_overrides``)."""
     kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
@@ -1582,78 +1434,58 @@ def estimate_page_logmass(
     max_pages = min(block_table.shape[1], logmass.shape[-1])
     assert logmass.shape[2] == group_size
     kernel_summaries, int8, int4 = _summary_kernel_args(summaries)
-    tile_pages = _estimate_tile_pages(ESTIMATE_LAUNCH["tile_pages"], num_top, int8)
-    int8_convert = _int8_convert_mode(ESTIMATE_LAUNCH["int8_convert"], num_top, tile_pages)
+    est = estimate_launch(num_top, int8, (launch or {}).get("estimate"))
     # The two exact-page programs (sink, current page), then the summary tiles.
-    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, tile_pages))
+    grid = (num_rows, num_kv_heads, 2 + triton.cdiv(max_pages, est.tile_pages))
     kernel_moira_estimate[grid](
-        query,
-        kv_cache,
-        kernel_summaries,
-        scales,
-        block_table,
-        seq_lens,
-        logmass,
+        query, kv_cache, kernel_summaries, scales, block_table, seq_lens, logmass,
         # Unread when SKIP_DENSE_ROWS is False; any fp32 pointer will do.
         logmass if selector_params is None else selector_params,
-        # Unwritten when RESET_LIST_PAGES is False.
-        seq_lens if list_pages is None else list_pages,
-        k_scale_arg,
-        scale,
+        # Unwritten when RESET_KEPT_TOTAL is False.
+        seq_lens if kept_total is None else kept_total, k_scale_arg, scale,
         *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        EST_ROWS=_estimate_rows(group_size, int8 and int8_convert == 3),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=tile_pages,
-        REM_SPREAD=estimator != "mvar",
-        NUM_TOP=num_top,
-        SKIP_DENSE_ROWS=selector_params is not None,
-        INT8=int8,
-        KEY_STAGES=ESTIMATE_LAUNCH["key_stages"],
-        INT8_CONVERT=int8_convert,
-        RESET_LIST_PAGES=list_pages is not None,
-        WRITE_FILLED_PAGE=write_filled_pages,
-        KV_FP8=kv_fp8,
-        INT4=int4,
-        num_warps=ESTIMATE_LAUNCH["num_warps"],
-        **_register_cap(ESTIMATE_LAUNCH["maxnreg"]),
-        **_dependent_launch(),
-    )
+        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size),
+        EST_ROWS=_estimate_rows(group_size, int8), HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE,
+        TILE_PAGES=est.tile_pages, NUM_TOP=num_top, SKIP_DENSE_ROWS=selector_params is not None,
+        INT8=int8, KEY_STAGES=est.key_stages, RESET_KEPT_TOTAL=kept_total is not None,
+        WRITE_FILLED_PAGE=write_filled_pages, KV_FP8=kv_fp8, INT4=int4, num_warps=est.num_warps,
+        **_register_cap(est.maxnreg), **_dependent_launch(launch),
+    )  # fmt: skip
 
 
 # ==========================================================================
 # Select (Eq. 3, Alg. 1)
 # ==========================================================================
 @triton.jit
-def _kept_share(
-    pibar_ptr,
-    tile_pibar,
-    num_pages,
-    tau,
-    by_count,
-    TILE_PAGES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-):
-    # Share (or count) of the middle pages (not the sink, not the current
-    # page) whose pibar is >= tau. One tile stays in registers; longer rows
-    # re-read their pibar from the scratch buffer (L1/L2-resident).
+def _pibar_tile(pibar_ptr, tile_pibar, t, num_pages, TILE_PAGES: tl.constexpr,
+                NUM_TILES: tl.constexpr):  # fmt: skip
+    # Tile t of a row's pibar: (its pages, which of them are middle pages (not
+    # the sink, not the current page), their pibar). One tile stays in
+    # registers; longer rows re-read their pibar from the scratch buffer
+    # (L1/L2-resident).
+    pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
+    middle = (pages > 0) & (pages < num_pages - 1)
+    if NUM_TILES == 1:
+        pib = tile_pibar
+    else:
+        pib = tl.load(pibar_ptr + pages, mask=middle, other=0.0)
+    return pages, middle, pib
+
+
+@triton.jit
+def _kept_share(pibar_ptr, tile_pibar, num_pages, tau, by_count, TILE_PAGES: tl.constexpr,
+                NUM_TILES: tl.constexpr):  # fmt: skip
+    # Share (or count) of the middle pages whose pibar is >= tau.
     total = 0.0
     for t in tl.static_range(NUM_TILES):
-        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-        middle = (pages > 0) & (pages < num_pages - 1)
-        if NUM_TILES == 1:
-            pib = tile_pibar
-        else:
-            pib = tl.load(pibar_ptr + pages, mask=middle, other=0.0)
+        pages, middle, pib = _pibar_tile(pibar_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES)
         above = middle & (pib >= tau)
         total += tl.sum(tl.where(above, tl.where(by_count, 1.0, pib), 0.0), axis=0)
     return total
 
 
 @triton.jit
-def _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGES: tl.constexpr):
+def _count_list(read_stats_ptr, kept_total_ptr, n_kept, num_pages, HAS_KEPT_TOTAL: tl.constexpr):
     # Adds one (row, KV head)'s list to the running totals: pages kept and
     # pages in the rows (the read fraction, read by the host only outside the
     # decode step), and the step's list pages (Attend's chunk size). Plain
@@ -1664,9 +1496,9 @@ def _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGE
     # critical path, waiting for the list's stores.
     tl.atomic_add(read_stats_ptr, n_kept.to(tl.int64), sem="relaxed")  # type: ignore[attr-defined]
     tl.atomic_add(read_stats_ptr + 1, num_pages.to(tl.int64), sem="relaxed")
-    if HAS_LIST_PAGES:
+    if HAS_KEPT_TOTAL:
         # Integer sum: the same in any order.
-        tl.atomic_add(list_pages_ptr, n_kept, sem="relaxed")
+        tl.atomic_add(kept_total_ptr, n_kept, sem="relaxed")
 
 
 @triton.jit
@@ -1674,23 +1506,14 @@ def _select_row(
     lm,  # this row's log-masses: [GROUP_SIZE, pages] at stride stride_lm_group
     pib_ptr,  # this row's pibar scratch (used when NUM_TILES > 1)
     out,  # this row's page list
-    count_ptr,
-    read_stats_ptr,
-    list_pages_ptr,
-    selector_ptr,
+    count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr,
     gamma,  # this row's coverage target (its request's, else the server's)
-    num_pages,
-    stride_lm_group,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-    LANES: tl.constexpr,
-    LANE_PASSES: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr,
+    num_pages, stride_lm_group, GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr, LANES: tl.constexpr,
+    LANE_PASSES: tl.constexpr, HAS_KEPT_TOTAL: tl.constexpr,
     stats=None,  # this row's Select statistics (if STORE_STATS): [1 + 2 * GROUP_ROWS] fp32
     STORE_STATS: tl.constexpr = False,
-):
+):  # fmt: skip
     # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
     # STORE_STATS (the first Select of refine="wide"): no list; instead the
     # threshold (the smallest kept middle share, inf when nothing is to be
@@ -1766,8 +1589,7 @@ def _select_row(
     if LANES > 1:
         # Loop-invariant parts of the pass, once: pages that are not middle
         # pages get pibar -1, below every threshold (tau >= 0), so a pass tests
-        # one compare per (page, threshold) instead of a compare and a mask
-        # (the offline sm_90 compile: 226 -> 132 instructions per pass at K_B = 4).
+        # one compare per (page, threshold) instead of a compare and a mask.
         tile = tl.arange(0, TILE_PAGES)
         middle_pibar = tl.where((tile > 0) & (tile < last), tile_pibar, -1.0)[:, None]
         weight = tl.where(by_count, 1.0, tile_pibar)[:, None]
@@ -1819,12 +1641,9 @@ def _select_row(
         n_above = 0.0
         n_band = 0.0
         for t in tl.static_range(NUM_TILES):
-            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-            middle = (pages > 0) & (pages < last)
-            if NUM_TILES == 1:
-                pib = tile_pibar
-            else:
-                pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+            pages, middle, pib = _pibar_tile(
+                pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES
+            )
             n_above += tl.sum((middle & (pib > hi)).to(tl.float32), axis=0)
             n_band += tl.sum((middle & (pib >= lo) & (pib <= hi)).to(tl.float32), axis=0)
         # Band pages to skip (the oldest ones) so that exactly K - 2 are kept.
@@ -1833,12 +1652,9 @@ def _select_row(
     if STORE_STATS:
         tau = float("inf")
         for t in tl.static_range(NUM_TILES):
-            pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-            middle = (pages > 0) & (pages < last)
-            if NUM_TILES == 1:
-                pib = tile_pibar
-            else:
-                pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+            pages, middle, pib = _pibar_tile(
+                pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES
+            )
             tau = tl.minimum(tau, tl.min(tl.where(middle & (pib >= lo), pib, float("inf")), axis=0))
         # Fixed count and gamma >= 1 refine nothing (the reference's rule).
         tau = tl.where(by_count | keep_all, float("inf"), tau)
@@ -1847,16 +1663,16 @@ def _select_row(
         tl.store(stats + 1 + GROUP_ROWS + offs_g, inv_denom)
     else:
         _compact_list(
-            pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, list_pages_ptr, lo, hi,
-            exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_LIST_PAGES,
+            pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, kept_total_ptr, lo, hi,
+            exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_KEPT_TOTAL,
         )  # fmt: skip
 
 
 @triton.jit
 def _compact_list(
-    pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, list_pages_ptr, lo, hi, exact_count,
+    pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, kept_total_ptr, lo, hi, exact_count,
     n_skip, num_pages, TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr,
+    HAS_KEPT_TOTAL: tl.constexpr,
 ):  # fmt: skip
     # Pass 4 of _select_row: compaction into the row's list, in page order.
     last = num_pages - 1
@@ -1864,12 +1680,7 @@ def _compact_list(
     n_kept = 1
     band_seen = tl.full([], 0, tl.int32)
     for t in tl.static_range(NUM_TILES):
-        pages = t * TILE_PAGES + tl.arange(0, TILE_PAGES)
-        middle = (pages > 0) & (pages < last)
-        if NUM_TILES == 1:
-            pib = tile_pibar
-        else:
-            pib = tl.load(pib_ptr + pages, mask=middle, other=0.0)
+        pages, middle, pib = _pibar_tile(pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES)
         keep = middle & (pib >= lo)
         if exact_count:
             # Only the fixed count ranks its band pages: the coverage rule
@@ -1885,7 +1696,7 @@ def _compact_list(
         tl.store(out + n_kept, last)
         n_kept += 1
     tl.store(count_ptr, n_kept)
-    _count_list(read_stats_ptr, list_pages_ptr, n_kept, num_pages, HAS_LIST_PAGES)
+    _count_list(read_stats_ptr, kept_total_ptr, n_kept, num_pages, HAS_KEPT_TOTAL)
 
 
 @triton.jit
@@ -1894,37 +1705,23 @@ def kernel_moira_select(
     seq_lens_ptr,  # [num_rows] int32
     pibar_ptr,  # [max_rows, num_kv_heads, max_pages] fp32 (scratch)
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (out)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32 (out)
+    list_lengths_ptr,  # [max_rows, num_kv_heads] int32 (out)
     read_stats_ptr,  # [2] int64 (accumulated: pages kept, pages in the rows)
-    list_pages_ptr,  # [1] int32: the step's pages in all lists (added to, if HAS_LIST_PAGES)
+    kept_total_ptr,  # [1] int32: the step's pages in all lists (added to, if HAS_KEPT_TOTAL)
     selector_ptr,  # [4] fp32: gamma, fixed K (0 = off), fixed fraction (0 = off),
     # dense batch pages (0 = off)
     row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
     select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * GROUP_ROWS] fp32 (out, if STORE_STATS)
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    stride_pib_row: tl.int64,
-    stride_pib_head: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
-    stride_st_row: tl.int64,
-    stride_st_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-    SHORT_TILE_PAGES: tl.constexpr,
-    LONG_LANES: tl.constexpr,
-    LONG_LANE_PASSES: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_ROW_GAMMA: tl.constexpr,
-    HAS_LIST_PAGES: tl.constexpr = False,
-    STORE_STATS: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
+    stride_lm_row: tl.int64, stride_lm_head: tl.int64, stride_lm_group: tl.int64,  # logmass
+    stride_pib_row: tl.int64, stride_pib_head: tl.int64,  # pibar
+    stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_ll_row: tl.int64,  # the lists
+    stride_st_row: tl.int64, stride_st_head: tl.int64,  # select_stats
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr, SHORT_TILE_PAGES: tl.constexpr,
+    LONG_LANES: tl.constexpr, LONG_LANE_PASSES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_ROW_GAMMA: tl.constexpr, HAS_KEPT_TOTAL: tl.constexpr = False,
+    STORE_STATS: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # STORE_STATS: the first of refine="wide"'s two Selects (_select_row):
     # statistics instead of the list, nothing counted.
     # One program per (row, KV head). Writes the row's page list (logical
@@ -1950,8 +1747,8 @@ def kernel_moira_select(
         row_gamma = tl.load(row_gamma_ptr + row)
         gamma = tl.where(row_gamma > 0.0, row_gamma, gamma)
     dense_row = _is_dense_row(num_pages, selector_ptr)
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    count_ptr = page_count_ptr + row * stride_pc_row + head
+    _wait_for_previous_kernel(USE_GDC)
+    count_ptr = list_lengths_ptr + row * stride_ll_row + head
     stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
     if STORE_STATS:
         # Empty and dense rows, fixed-count and gamma >= 1 rows: nothing to refine
@@ -1974,43 +1771,36 @@ def kernel_moira_select(
             pages = start + tl.arange(0, SHORT_TILE_PAGES)
             tl.store(out + pages, pages, mask=pages < num_pages)
         tl.store(count_ptr, num_pages)
-        _count_list(read_stats_ptr, list_pages_ptr, num_pages, num_pages, HAS_LIST_PAGES)
+        _count_list(read_stats_ptr, kept_total_ptr, num_pages, num_pages, HAS_KEPT_TOTAL)
         return
     if SHORT_TILE_PAGES < TILE_PAGES:
         if num_pages < SHORT_TILE_PAGES:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
-                HAS_LIST_PAGES, stats, STORE_STATS,
+                HAS_KEPT_TOTAL, stats, STORE_STATS,
             )  # fmt: skip
         else:
             _select_row(
-                lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+                lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
-                LONG_LANES, LONG_LANE_PASSES, HAS_LIST_PAGES, stats, STORE_STATS,
+                LONG_LANES, LONG_LANE_PASSES, HAS_KEPT_TOTAL, stats, STORE_STATS,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
-            lm, pib_ptr, out, count_ptr, read_stats_ptr, list_pages_ptr, selector_ptr, gamma,
+            lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
             num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
-            HAS_LIST_PAGES, stats, STORE_STATS,
+            HAS_KEPT_TOTAL, stats, STORE_STATS,
         )  # fmt: skip
 
 
 def select_pages(
-    logmass: torch.Tensor,
-    seq_lens: torch.Tensor,
-    pibar: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    selector_params: torch.Tensor,
-    num_rows: int,
-    max_pages: int,
-    read_stats: torch.Tensor,
-    row_gamma: torch.Tensor | None = None,
-    list_pages: torch.Tensor | None = None,
-    select_stats: torch.Tensor | None = None,
-) -> None:
+    logmass: torch.Tensor, seq_lens: torch.Tensor, pibar: torch.Tensor, page_list: torch.Tensor,
+    list_lengths: torch.Tensor, selector_params: torch.Tensor, num_rows: int, max_pages: int,
+    read_stats: torch.Tensor, row_gamma: torch.Tensor | None = None,
+    kept_total: torch.Tensor | None = None, select_stats: torch.Tensor | None = None,
+    launch: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:  # fmt: skip
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
 
     ``select_stats`` (fp32 ``[max_rows, H_kv, 1 + 2 * GROUP_ROWS]``,
@@ -2024,107 +1814,50 @@ def select_pages(
     it is > 0 (coverage only: fixed-count rows keep their K). Adds the kept
     and total page counts of the rows to ``read_stats`` (int64 ``[2]``), so
     ``read_stats[0] / read_stats[1]`` is the fraction of pages read since it
-    was last zeroed. ``list_pages`` (int32 ``[1]``, zeroed by Estimate) gets
-    the lengths of all the lists added, for Attend's chunk size.
+    was last zeroed. ``kept_total`` (int32 ``[1]``, zeroed by Estimate) gets
+    the lengths of all the lists added, for Attend's chunk size. ``launch``:
+    launch overrides by kernel (``check_launch_overrides``).
     """
     num_kv_heads, group_size = logmass.shape[1], logmass.shape[2]
     tile_pages = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
     num_tiles = triton.cdiv(max_pages, tile_pages)
     assert pibar.shape[-1] >= num_tiles * tile_pages
-    # The 2D-lane bisection needs the whole row in one register tile.
-    long_lanes = SELECT_LAUNCH["long_lanes"] if num_tiles == 1 else 1
-    if long_lanes & (long_lanes - 1) or not 1 <= long_lanes <= 16:
-        raise ValueError(f"SELECT_LAUNCH['long_lanes'] must be 1, 2, 4, 8 or 16, got {long_lanes}")
+    select = select_launch(tile_pages, num_tiles, (launch or {}).get("select"))
     kernel_moira_select[(num_rows, num_kv_heads)](
-        logmass,
-        seq_lens,
-        pibar,
-        page_list,
-        page_count,
-        read_stats,
-        # Unwritten when HAS_LIST_PAGES is False.
-        page_count if list_pages is None else list_pages,
-        selector_params,
+        logmass, seq_lens, pibar, page_list, list_lengths, read_stats,
+        # Unwritten when HAS_KEPT_TOTAL is False.
+        list_lengths if kept_total is None else kept_total, selector_params,
         # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
         selector_params if row_gamma is None else row_gamma,
         # Unwritten when STORE_STATS is False.
         pibar if select_stats is None else select_stats,
-        logmass.stride(0),
-        logmass.stride(1),
-        logmass.stride(2),
-        pibar.stride(0),
-        pibar.stride(1),
-        page_list.stride(0),
-        page_list.stride(1),
-        page_count.stride(0),
+        logmass.stride(0), logmass.stride(1), logmass.stride(2), pibar.stride(0), pibar.stride(1),
+        page_list.stride(0), page_list.stride(1), list_lengths.stride(0),
         0 if select_stats is None else select_stats.stride(0),
         0 if select_stats is None else select_stats.stride(1),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=triton.next_power_of_2(group_size),
-        TILE_PAGES=tile_pages,
-        NUM_TILES=num_tiles,
-        SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
-        LONG_LANES=long_lanes,
+        GROUP_SIZE=group_size, GROUP_ROWS=triton.next_power_of_2(group_size),
+        TILE_PAGES=tile_pages, NUM_TILES=num_tiles, SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
+        LONG_LANES=select.lanes,
         # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
-        LONG_LANE_PASSES=24 // max(long_lanes.bit_length() - 1, 1),
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
+        LONG_LANE_PASSES=24 // max(select.lanes.bit_length() - 1, 1), PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
-        HAS_LIST_PAGES=list_pages is not None and select_stats is None,
-        STORE_STATS=select_stats is not None,
-        num_warps=SELECT_LAUNCH["long_num_warps"] if tile_pages >= 1024 else 4,
-        **_dependent_launch(),
-    )
+        HAS_KEPT_TOTAL=kept_total is not None and select_stats is None,
+        STORE_STATS=select_stats is not None, num_warps=select.num_warps,
+        **_dependent_launch(launch),
+    )  # fmt: skip
 
 
 # ==========================================================================
 # Refine (not in the paper): Estimate's second stage, refine="wide"
 # ==========================================================================
-# REFINE_LAUNCH["tile_pages"]: pages per refine tile (the candidate test is
-# one [G, pages] tile; tl.dot needs at least 16). A program refines a tile's
-# pages one after another, so smaller tiles spread a list's refined pages over
-# more programs: 16-page tiles take Estimate + Select with refine="wide" from
-# 186 to 102 us at 32x8192 (21% of pages refined) and from 625 to 508 us at
-# 4x131072 (every page refined) on an H100, with the same lists.
-# kernel_moira_refine's loop over the pages it refines. pipeline_stages 0:
-# every page of the tile in turn, a branch per page (each page's keys load
-# behind the previous page's softmax: 8 synchronous 16-byte loads per thread
-# and page in the sm_90 SASS; ~1.9 TB/s on the H200 with every page refined).
-# k > 0: the refined pages compacted first, then a loop over them that Triton
-# software-pipelines k deep (asynchronous copies of the next pages' keys).
-# The same log-masses and lists either way. 3 stages (64-page tiles): Estimate +
-# Select with refine="wide" on the H200 takes 182 us against the serial loop's
-# 266 at 32x8192 with 21% of pages refined (the refined pages' key loads
-# overlap), and 598 against 590 us at 4x131072 with every page refined.
-# REFINE_LAUNCH["step_programs"]: about how many refine programs a step
-# launches (refine_programs_per_list). The grid depends only on the step's
-# rows and max_model_len, not on the rows' lengths, so one program per tile
-# launches a program for every tile of max_model_len: 32768 programs at
-# 32x8192 under a 130k max_model_len, most of which find their row shorter
-# and return, a launch paid per layer and step even where nothing is refined
-# (fixed count). Capped, a program takes every P-th tile of its list; at
-# batch 4 x 8 KV heads, 4096 programs are still one per tile of a 131k row.
-REFINE_LAUNCH: dict[str, Any] = {
-    "pipeline_stages": 3,
-    "num_warps": 4,
-    "tile_pages": 16,
-    "step_programs": 4096,
-}
-_REFINE_TILE_PAGES_ALLOWED = (16, 32, 64, 128)
-
-
 def refine_programs_per_list(
-    num_rows: int, num_kv_heads: int, max_pages: int, tile_pages: int
+    num_rows: int, num_kv_heads: int, max_pages: int, launch: RefineLaunch
 ) -> int:
     """Refine programs per (row, KV head) list: enough that the step launches about
-    REFINE_LAUNCH["step_programs"] programs, at most one per tile of max_pages."""
-    step_programs = REFINE_LAUNCH["step_programs"]
-    if not isinstance(step_programs, int) or step_programs < 1:
-        raise ValueError(
-            "Moira: REFINE_LAUNCH['step_programs'] must be a positive integer, "
-            f"got {step_programs!r}"
-        )
+    ``launch.step_programs`` programs, at most one per tile of max_pages."""
     lists = max(num_rows * num_kv_heads, 1)
-    return max(1, min(triton.cdiv(max_pages, tile_pages), triton.cdiv(step_programs, lists)))
+    tiles = triton.cdiv(max_pages, launch.tile_pages)
+    return max(1, min(tiles, triton.cdiv(launch.step_programs, lists)))
 
 
 def _select_stats_width(group_size: int) -> int:
@@ -2135,46 +1868,24 @@ def _select_stats_width(group_size: int) -> int:
 
 @triton.jit(do_not_specialize=["below_factor", "wide_min_v"])
 def kernel_moira_refine(
-    query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
-    summaries_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP (+1 if INT8), HEAD_SIZE] bf16/int8
-    scales_ptr,  # [num_blocks, num_kv_heads, 2 + NUM_TOP] fp32 view (if INT8)
-    block_table_ptr,  # [num_rows, max_blocks] int32
-    seq_lens_ptr,  # [num_rows] int32
-    logmass_ptr,  # [max_rows, num_kv_heads, GROUP_SIZE, max_pages] fp32 (in and out)
-    select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * STATS_ROWS] fp32 (the first Select's)
-    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
-    scale,
+    # kernel_moira_estimate's query, cache, summaries, block table and lengths;
+    # its log-masses (in and out); the first Select's statistics per list,
+    # [max_rows, num_kv_heads, 1 + 2 * STATS_ROWS] fp32.
+    query_ptr, kv_cache_ptr, summaries_ptr, scales_ptr, block_table_ptr, seq_lens_ptr,
+    logmass_ptr, select_stats_ptr, k_scale_ptr, scale,
     below_factor,  # e^-REFINE_BELOW_NATS
     wide_min_v,  # REFINE_WIDE_FACTOR * 2 ln(PAGE_SIZE - NUM_TOP)
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64,
-    stride_scale_block: tl.int64,
-    stride_scale_head: tl.int64,
-    stride_bt_row: tl.int64,
-    stride_lm_row: tl.int64,
-    stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64,
-    stride_st_row: tl.int64,
-    stride_st_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    STATS_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-    NUM_TOP: tl.constexpr,
-    INT8: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    PIPELINE_STAGES: tl.constexpr,  # REFINE_LAUNCH["pipeline_stages"]
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
+    # _estimate_strides, then select_stats'
+    stride_q_row: tl.int64, stride_q_head: tl.int64, stride_kv_block: tl.int64,
+    stride_kv_head: tl.int64, stride_kv_token: tl.int64, stride_sum_block: tl.int64,
+    stride_sum_head: tl.int64, stride_scale_block: tl.int64, stride_scale_head: tl.int64,
+    stride_bt_row: tl.int64, stride_lm_row: tl.int64, stride_lm_head: tl.int64,
+    stride_lm_group: tl.int64, stride_st_row: tl.int64, stride_st_head: tl.int64,
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, STATS_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    NUM_TOP: tl.constexpr, INT8: tl.constexpr, KV_FP8: tl.constexpr,
+    PIPELINE_STAGES: tl.constexpr, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
     # Programs (row, KV head, p): program p of a list takes its tiles of
     # TILE_PAGES pages p, p + P, p + 2P, ... (P = the grid's third extent,
     # refine_programs_per_list). A middle page is refined when (1) its pibar,
@@ -2182,7 +1893,7 @@ def kernel_moira_refine(
     # statistics, is at least tau e^-below (tau: the smallest share that
     # Select kept), and (2) its group-mean spread x^2 . sigma^2 (the
     # summary's variance slot) is at least wide_min_v: the pages whose spread
-    # term can over-estimate them past a needle page (docs/estimator.md). Its
+    # term can over-estimate them past a needle page. Its
     # log-mass is then replaced by the exact one, from its 64 keys; the second
     # Select runs on the result. Each page belongs to one program, which alone
     # reads and writes its log-mass.
@@ -2191,7 +1902,7 @@ def kernel_moira_refine(
     first_tile = tl.program_id(2)
     tile_step = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + row)
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
     num_tiles = tl.cdiv(num_pages, TILE_PAGES)
     if first_tile >= num_tiles:
@@ -2209,14 +1920,8 @@ def kernel_moira_refine(
     offs_d = tl.arange(0, HEAD_SIZE)
     offs_g = tl.arange(0, GROUP_ROWS)
     mask_g = offs_g < GROUP_SIZE
-    q = tl.load(
-        query_ptr
-        + row * stride_q_row
-        + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
-        + offs_d[None, :],
-        mask=mask_g[:, None],
-        other=0.0,
-    )
+    q_heads = query_ptr + row * stride_q_row + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
+    q = tl.load(q_heads + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     xq = q.to(tl.float32) * scale
     k_scale = 1.0
     if KV_FP8:
@@ -2254,26 +1959,17 @@ def kernel_moira_refine(
             v = tl.dot(var, tl.trans(xq * xq), input_precision="ieee")  # [TILE_PAGES, GROUP_ROWS]
             v_mean = tl.sum(tl.where(mask_g[None, :], v, 0.0), axis=1) / GROUP_SIZE
             refine = candidate & (v_mean >= wide_min_v)
-            if PIPELINE_STAGES == 0:
-                for i in range(TILE_PAGES):
-                    if tl.sum((refine & (offs_t == i)).to(tl.int32), axis=0) > 0:
-                        _refine_page(
-                            tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head,
-                            k_scale, offs_g, mask_g, stride_kv_block, stride_kv_head,
-                            stride_kv_token, stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-                        )  # fmt: skip
-            else:
-                # The refined pages in page order (their rank among the tile's
-                # refined pages), then one loop iteration per refined page, no branch.
-                rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
-                num_refined = tl.sum(refine.to(tl.int32), axis=0)
-                for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
-                    i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
-                    _refine_page(
-                        tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head,
-                        k_scale, offs_g, mask_g, stride_kv_block, stride_kv_head,
-                        stride_kv_token, stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-                    )  # fmt: skip
+            # The refined pages in page order (their rank among the tile's
+            # refined pages), then one loop iteration per refined page, no branch.
+            rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
+            num_refined = tl.sum(refine.to(tl.int32), axis=0)
+            for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
+                i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
+                _refine_page(
+                    tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
+                    offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
+                    stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -2293,20 +1989,16 @@ def _refine_page(
 
 
 def refine_page_logmass(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    logmass: torch.Tensor,
-    select_stats: torch.Tensor,
-    scale: float,
-    estimator: str,
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, logmass: torch.Tensor,
+    select_stats: torch.Tensor, scale: float, estimator: str,
     k_scale: torch.Tensor | None = None,
-) -> None:
+    launch: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:  # fmt: skip
     """refine="wide": overwrite ``logmass`` of the pages kernel_moira_refine picks
     with their exact log-mass. ``select_stats`` is the first Select's
-    (``select_pages(..., select_stats=...)``) on the same log-masses."""
+    (``select_pages(..., select_stats=...)``) on the same log-masses. ``launch``:
+    launch overrides by kernel (``check_launch_overrides``)."""
     kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
     num_top = estimator_num_top(estimator)
     num_rows, num_q_heads, head_size = query.shape
@@ -2317,109 +2009,46 @@ def refine_page_logmass(
     stats_rows = triton.next_power_of_2(group_size)  # Select's GROUP_ROWS
     assert select_stats.shape[-1] == _select_stats_width(group_size)
     max_pages = min(block_table.shape[1], logmass.shape[-1])
-    stages = REFINE_LAUNCH["pipeline_stages"]
-    if not isinstance(stages, int) or not 0 <= stages <= 6:
-        raise ValueError(
-            f"Moira: REFINE_LAUNCH['pipeline_stages'] must be an integer in 0..6, got {stages!r}"
-        )
-    tile_pages = REFINE_LAUNCH["tile_pages"]
-    if tile_pages not in _REFINE_TILE_PAGES_ALLOWED:
-        raise ValueError(
-            f"Moira: REFINE_LAUNCH['tile_pages'] must be one of {_REFINE_TILE_PAGES_ALLOWED}, "
-            f"got {tile_pages!r}"
-        )
-    grid = (
-        num_rows,
-        num_kv_heads,
-        refine_programs_per_list(num_rows, num_kv_heads, max_pages, tile_pages),
-    )
+    refine = refine_launch((launch or {}).get("refine"))
+    programs = refine_programs_per_list(num_rows, num_kv_heads, max_pages, refine)
+    grid = (num_rows, num_kv_heads, programs)
     kernel_moira_refine[grid](
-        query,
-        kv_cache,
-        kernel_summaries,
-        scales,
-        block_table,
-        seq_lens,
-        logmass,
-        select_stats,
-        k_scale_arg,
-        scale,
-        math.exp(-REFINE_BELOW_NATS),
+        query, kv_cache, kernel_summaries, scales, block_table, seq_lens, logmass, select_stats,
+        k_scale_arg, scale, math.exp(-REFINE_BELOW_NATS),
         REFINE_WIDE_FACTOR * 2.0 * math.log(MOIRA_PAGE_SIZE - num_top),
         *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
-        select_stats.stride(0),
-        select_stats.stride(1),
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        STATS_ROWS=stats_rows,
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        TILE_PAGES=tile_pages,
-        NUM_TOP=num_top,
-        INT8=int8,
-        KV_FP8=kv_fp8,
-        PIPELINE_STAGES=stages,
-        num_warps=REFINE_LAUNCH["num_warps"],
-        **_dependent_launch(),
-    )
+        select_stats.stride(0), select_stats.stride(1),
+        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), STATS_ROWS=stats_rows,
+        HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE, TILE_PAGES=refine.tile_pages,
+        NUM_TOP=num_top, INT8=int8, KV_FP8=kv_fp8, PIPELINE_STAGES=refine.pipeline_stages,
+        num_warps=refine.num_warps, **_dependent_launch(launch),
+    )  # fmt: skip
 
 
 # ==========================================================================
-# Attend (Eq. 4, Alg. 2)
+# Attend (Eq. 4): N_F blocks share the step's pages evenly
 # ==========================================================================
-@triton.jit
-def _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages):
-    # Pages per Attend chunk of a list of n pages (Eq. 4 with a fill rule):
-    # at least ceil(n / J) so that J blocks cover the list; otherwise C, or
-    # less when the step's lists (list_pages pages in all) could not give
-    # fill_blocks blocks C pages each (batch 1, short rows). The fill term is
-    # the same for every list, so chunks are even across lists of different
-    # lengths (a long list gets more chunks, not longer ones).
-    fill = tl.cdiv(list_pages, fill_blocks)
-    chunk = tl.maximum(tl.cdiv(n, num_splits), tl.minimum(min_chunk_pages, fill))
-    return tl.maximum(chunk, 1)
-
-
 @triton.jit
 def _attend_list_pages(
     q_row_ptr,  # [num_q_heads, HEAD_SIZE] bf16: the row's query
     kv_head_ptr,  # [num_blocks, ., PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8): its pages
     block_table_row_ptr,  # [max_blocks] int32: the row's block table
     pages_ptr,  # [max_pages] int32: the (row, KV head)'s page list
-    seq_len,
-    start,
-    end,
-    scale,
+    seq_len, start, end, scale,
     k_scale,  # fp32 scalar: the layer's K dequantization scale (if KV_FP8)
     v_scale,  # fp32 scalar: the layer's V dequantization scale (if KV_FP8)
-    q_heads,
-    mask_g,
-    stride_q_head,
-    stride_kv_block,
-    stride_kv_token,
-    GROUP_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    TILE_PAGES: tl.constexpr,
-):
-    # Online softmax of the G query heads over list entries [start, end):
-    # returns the unnormalized output, the running max (base 2) and sum.
-    # KV_FP8: the pages' e4m3 K and V are converted to fp16 (exact) and meet
-    # q and p in fp16; the layer's scales are per tensor, so k_scale joins the
-    # softmax scale and v_scale multiplies the chunk's output once, which is
-    # attention over the dequantized K and V. A plain cast, which Triton moves
-    # to the dot operands' layout: on sm_90 V's 8-bit tile is then read from
-    # shared memory a byte at a time (ldmatrix cannot transpose 8-bit
-    # operands), yet a PTX cast in the loaded tile's layout, which sends fp16
-    # tiles through shared memory to ldmatrix instead, made Attend slower on
-    # the H200 (117.5 against 86.8 us at 4x131072, 69.1 against 54.2 us at 32x8192).
-    # TILE_PAGES list entries per iteration: one K and one V tile of
-    # TILE_PAGES * PAGE_SIZE tokens gathered from as many blocks. An fp8 page
-    # is half a bf16 page's bytes, so one page per iteration leaves fewer
-    # bytes in flight behind each iteration's dependent loads (list entry ->
-    # block table -> tile); a wider tile puts them back.
-    offs_t = tl.arange(0, TILE_PAGES * PAGE_SIZE)
+    q_heads, mask_g, stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    # Online softmax of the G query heads over list entries [start, end), one
+    # page per iteration: returns the unnormalized output, the running max
+    # (base 2) and sum. KV_FP8: the pages' e4m3 K and V are converted to fp16
+    # (exact) and meet q and p in fp16; the layer's scales are per tensor, so
+    # k_scale joins the softmax scale and v_scale multiplies the chunk's output
+    # once, which is attention over the dequantized K and V. A plain cast,
+    # which Triton moves to the dot operands' layout: converting in the loaded
+    # tile's layout instead (so V reaches ldmatrix as fp16) is slower.
+    offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_SIZE)
     q = tl.load(
         q_row_ptr + q_heads[:, None] * stride_q_head + offs_d[None, :],
@@ -2434,23 +2063,11 @@ def _attend_list_pages(
     running_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, HEAD_SIZE], tl.float32)
-    for i in range(start, end, TILE_PAGES):
-        if TILE_PAGES == 1:
-            page = tl.load(pages_ptr + i)
-            block = tl.load(block_table_row_ptr + page).to(tl.int64)
-            mask_t = offs_t < seq_len - page * PAGE_SIZE
-            tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
-        else:
-            # Tile token t is token t % PAGE_SIZE of list entry i + t // PAGE_SIZE;
-            # entries past `end` (the last tile of an uneven run) are masked,
-            # and entry i always holds a token, so no tile row is all -inf.
-            entry = i + offs_t // PAGE_SIZE
-            in_run = entry < end
-            page = tl.load(pages_ptr + entry, mask=in_run, other=0)
-            block = tl.load(block_table_row_ptr + page, mask=in_run, other=0).to(tl.int64)
-            token = offs_t % PAGE_SIZE
-            mask_t = in_run & (token < seq_len - page * PAGE_SIZE)
-            tile = kv_head_ptr + block[:, None] * stride_kv_block + token[:, None] * stride_kv_token
+    for i in range(start, end):
+        page = tl.load(pages_ptr + i)
+        block = tl.load(block_table_row_ptr + page).to(tl.int64)
+        mask_t = offs_t < seq_len - page * PAGE_SIZE
+        tile = kv_head_ptr + block * stride_kv_block + offs_t[:, None] * stride_kv_token
         k = tl.load(tile + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         v = tl.load(tile + HEAD_SIZE + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         if KV_FP8:
@@ -2469,107 +2086,15 @@ def _attend_list_pages(
     return acc, running_max, running_sum
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
-def kernel_moira_attend(
-    query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
-    kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
-    block_table_ptr,  # [num_rows, max_blocks] int32
-    seq_lens_ptr,  # [num_rows] int32
-    page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, 1-chunk rows)
-    partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32 (out)
-    partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32 (out)
-    k_scale_ptr,  # [1] fp32: the layer's K dequantization scale (if KV_FP8)
-    v_scale_ptr,  # [1] fp32: the layer's V dequantization scale (if KV_FP8)
-    scale,
-    num_splits,
-    min_chunk_pages,
-    fill_blocks,
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_bt_row: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
-    TILE_PAGES: tl.constexpr = 1,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # Block (row, KV head, j) plans its own work (Alg. 2): it reads the
-    # list length n from device memory, cuts the row into chunks of
-    # c = _chunk_pages(n) pages and takes chunk j, or exits. All G query
-    # heads of the KV head share each K/V tile, so every byte is read once.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    n = tl.load(page_count_ptr + row * stride_pc_row + head)
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
-    num_chunks = tl.cdiv(n, chunk)
-    if split >= num_chunks:
-        return
-    seq_len = tl.load(seq_lens_ptr + row)
-
-    offs_g = tl.arange(0, GROUP_ROWS)
-    offs_d = tl.arange(0, HEAD_SIZE)
-    mask_g = offs_g < GROUP_SIZE
-    q_heads = head * GROUP_SIZE + offs_g
-    start = split * chunk
-    end = tl.minimum(start + chunk, n)
-    k_scale = 1.0
-    v_scale = 1.0
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    acc, running_max, running_sum = _attend_list_pages(
-        query_ptr + row * stride_q_row,
-        kv_cache_ptr + head * stride_kv_head,
-        block_table_ptr + row * stride_bt_row,
-        page_list_ptr + row * stride_pl_row + head * stride_pl_head,
-        seq_len, start, end, scale, k_scale, v_scale, q_heads, mask_g, stride_q_head,
-        stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE, PAGE_SIZE, KV_FP8, TILE_PAGES,
-    )  # fmt: skip
-
-    acc = acc / running_sum[:, None]
-    if num_chunks == 1:
-        tl.store(
-            output_ptr + row * stride_o_row + q_heads[:, None] * stride_o_head + offs_d[None, :],
-            acc.to(output_ptr.dtype.element_ty),
-            mask=mask_g[:, None],
-        )
-    else:
-        part = (row * num_splits + split).to(tl.int64) * tl.num_programs(1) * GROUP_SIZE
-        tl.store(
-            partial_out_ptr + (part + q_heads[:, None]) * HEAD_SIZE + offs_d[None, :],
-            acc,
-            mask=mask_g[:, None],
-        )
-        lse = (running_max + tl.log2(running_sum)) * 0.6931471805599453
-        tl.store(partial_lse_ptr + part + q_heads, lse, mask=mask_g)
+@triton.jit
+def _step_pages_per_block(kept_total_ptr, num_blocks):
+    # Pages per Attend block: the step's kept pages P over its N_F blocks, so
+    # that ceil(P / chunk) <= N_F blocks cover them.
+    return tl.maximum(tl.cdiv(tl.load(kept_total_ptr), num_blocks), 1)
 
 
 @triton.jit
-def _step_pages_per_block(list_pages_ptr, num_blocks):
-    # Pages per block of the "pages" schedule: the step's list pages P over
-    # its N_F blocks, so that ceil(P / chunk) <= N_F blocks cover them.
-    return tl.maximum(tl.cdiv(tl.load(list_pages_ptr), num_blocks), 1)
-
-
-@triton.jit
-def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, position,
+def _list_of_step_page(list_lengths_ptr, stride_ll_row, num_kv_heads, num_lists, position,
                        LISTS_TILE: tl.constexpr):  # fmt: skip
     # The list (row * num_kv_heads + head) that holds entry `position` of
     # the step's lists laid end to end, and the position of its first entry:
@@ -2583,7 +2108,7 @@ def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, p
         index = first + offs
         mask = index < num_lists
         count = tl.load(
-            page_count_ptr + (index // num_kv_heads) * stride_pc_row + index % num_kv_heads,
+            list_lengths_ptr + (index // num_kv_heads) * stride_ll_row + index % num_kv_heads,
             mask=mask,
             other=0,
         )
@@ -2596,14 +2121,14 @@ def _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads, num_lists, p
 
 
 @triton.jit(do_not_specialize=["num_lists", "num_blocks"])
-def kernel_moira_attend_pages(
+def kernel_moira_attend(
     query_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
     block_table_ptr,  # [num_rows, max_blocks] int32
     seq_lens_ptr,  # [num_rows] int32
     page_list_ptr,  # [max_rows, num_kv_heads, max_pages] int32 (logical pages)
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+    list_lengths_ptr,  # [max_rows, num_kv_heads] int32
+    kept_total_ptr,  # [1] int32: pages in all the lists of the step
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out, lists of one part)
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32 (out)
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32 (out)
@@ -2611,32 +2136,17 @@ def kernel_moira_attend_pages(
     v_scale_ptr,  # [1] fp32: the layer's V dequantization scale (if KV_FP8)
     scale,
     list_start_ptr,  # [max_rows * num_kv_heads] int32 (out): each list's first step position
-    num_kv_heads,
-    num_lists,
-    num_blocks,
-    stride_q_row: tl.int64,
-    stride_q_head: tl.int64,
-    stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64,
-    stride_kv_token: tl.int64,
-    stride_bt_row: tl.int64,
-    stride_pl_row: tl.int64,
-    stride_pl_head: tl.int64,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    LISTS_TILE: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
-    TILE_PAGES: tl.constexpr = 1,
+    num_kv_heads, num_lists, num_blocks, stride_q_row: tl.int64, stride_q_head: tl.int64,
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,
+    stride_bt_row: tl.int64, stride_pl_row: tl.int64, stride_pl_head: tl.int64,
+    stride_ll_row: tl.int64, stride_o_row: tl.int64, stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, LISTS_TILE: tl.constexpr, KV_FP8: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # Block b plans its own work from device memory, like Alg. 2, but over
-    # the whole step: the step's lists laid end to end (list index = row *
+):  # fmt: skip
+    # Block b plans its own work from device memory (paper Alg. 2 plans per
+    # list; this plans over the whole step, so uneven lists leave no block
+    # with more work than another): the step's lists laid end to end (list index = row *
     # num_kv_heads + head) are cut into num_blocks runs of the same number
     # of pages, and block b takes run b. A run that crosses list boundaries
     # is attended one list part at a time. A list that lies inside one run is
@@ -2644,15 +2154,15 @@ def kernel_moira_attend_pages(
     # partial slot (b + list), which is unique because from one part to the
     # next along the step either b or the list (or both) grows. Merge finds a
     # list's parts from its first position (list_start).
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     block_id = tl.program_id(0)
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
+    kept_total = tl.load(kept_total_ptr)
+    chunk = _step_pages_per_block(kept_total_ptr, num_blocks)
     position = block_id * chunk
-    if position >= list_pages:
+    if position >= kept_total:
         return
-    end = tl.minimum(position + chunk, list_pages)
-    lst, lst_first = _list_of_step_page(page_count_ptr, stride_pc_row, num_kv_heads,
+    end = tl.minimum(position + chunk, kept_total)
+    lst, lst_first = _list_of_step_page(list_lengths_ptr, stride_ll_row, num_kv_heads,
                                         num_lists, position, LISTS_TILE)  # fmt: skip
     offs_g = tl.arange(0, GROUP_ROWS)
     offs_d = tl.arange(0, HEAD_SIZE)
@@ -2665,7 +2175,7 @@ def kernel_moira_attend_pages(
     while (position < end) & (lst < num_lists):
         row = lst // num_kv_heads
         head = lst % num_kv_heads
-        n = tl.load(page_count_ptr + row * stride_pc_row + head)
+        n = tl.load(list_lengths_ptr + row * stride_ll_row + head)
         lo = position - lst_first
         hi = tl.minimum(end - lst_first, n)
         if hi > lo:
@@ -2679,7 +2189,7 @@ def kernel_moira_attend_pages(
                 page_list_ptr + row * stride_pl_row + head * stride_pl_head,
                 tl.load(seq_lens_ptr + row), lo, hi, scale, k_scale, v_scale, q_heads, mask_g,
                 stride_q_head, stride_kv_block, stride_kv_token, GROUP_ROWS, HEAD_SIZE,
-                PAGE_SIZE, KV_FP8, TILE_PAGES,
+                PAGE_SIZE, KV_FP8,
             )  # fmt: skip
             acc = acc / running_sum[:, None]
             if (lo == 0) & (hi == n):
@@ -2711,12 +2221,8 @@ def _merge_chunks(
     partial_out_ptr,  # [num_parts, HEAD_SIZE] fp32
     partial_lse_ptr,  # [num_parts] fp32
     out_ptr,  # [HEAD_SIZE] bf16 (out): one query head of one row
-    first_part,
-    part_step,
-    num_chunks,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
-):
+    first_part, part_step, num_chunks, HEAD_SIZE: tl.constexpr, TILE_CHUNKS: tl.constexpr,
+):  # fmt: skip
     # Log-sum-exp combine of the partials first_part + j * part_step,
     # j < num_chunks, in chunk order.
     offs_j = tl.arange(0, TILE_CHUNKS)
@@ -2742,76 +2248,32 @@ def _merge_chunks(
     tl.store(out_ptr + offs_d, (acc / running_sum).to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_chunk_pages", "fill_blocks"])
-def kernel_moira_merge(
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
-    partial_out_ptr,  # [num_rows * num_splits, num_q_heads, HEAD_SIZE] fp32
-    partial_lse_ptr,  # [num_rows * num_splits, num_q_heads] fp32
-    output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
-    num_splits,
-    min_chunk_pages,
-    fill_blocks,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # One program per (row, query head): log-sum-exp combine of the row's
-    # chunks. Single-chunk rows were written by Attend and exit here.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
-    row = tl.program_id(0)
-    q_head = tl.program_id(1)
-    num_q_heads = tl.num_programs(1)
-    n = tl.load(page_count_ptr + row * stride_pc_row + q_head // GROUP_SIZE)
-    # The same chunking as Attend's.
-    list_pages = tl.load(list_pages_ptr)
-    chunk = _chunk_pages(n, num_splits, min_chunk_pages, fill_blocks, list_pages)
-    num_chunks = tl.cdiv(n, chunk)
-    if num_chunks <= 1:
-        return
-    first_part = (row * num_splits).to(tl.int64) * num_q_heads + q_head
-    _merge_chunks(partial_out_ptr, partial_lse_ptr,
-                  output_ptr + row * stride_o_row + q_head * stride_o_head,
-                  first_part, num_q_heads, num_chunks, HEAD_SIZE, TILE_CHUNKS)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["num_blocks"])
-def kernel_moira_merge_pages(
-    page_count_ptr,  # [max_rows, num_kv_heads] int32
-    list_pages_ptr,  # [1] int32: pages in all the lists of the step
+def kernel_moira_merge(
+    list_lengths_ptr,  # [max_rows, num_kv_heads] int32
+    kept_total_ptr,  # [1] int32: pages in all the lists of the step
     partial_out_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE, HEAD_SIZE] fp32
     partial_lse_ptr,  # [(num_blocks + num_lists) * GROUP_SIZE] fp32
     output_ptr,  # [num_rows, num_q_heads, HEAD_SIZE] bf16 (out)
     list_start_ptr,  # [max_rows * num_kv_heads] int32: each list's first step position
-    num_blocks,
-    stride_pc_row: tl.int64,
-    stride_o_row: tl.int64,
-    stride_o_head: tl.int64,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    TILE_CHUNKS: tl.constexpr,
+    num_blocks, stride_ll_row: tl.int64, stride_o_row: tl.int64, stride_o_head: tl.int64,
+    GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, TILE_CHUNKS: tl.constexpr,
     USE_GDC: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
-):
-    # One program per (row, query head) after kernel_moira_attend_pages: the
+):  # fmt: skip
+    # One program per (row, query head) after kernel_moira_attend: the
     # list's parts are blocks first .. last of its run, in slots b + list.
     # Lists inside one run were written by Attend and exit here.
-    _wait_for_previous_kernel(USE_GDC, EARLY_TRIGGER)
+    _wait_for_previous_kernel(USE_GDC)
     row = tl.program_id(0)
     q_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1) // GROUP_SIZE
     head = q_head // GROUP_SIZE
-    n = tl.load(page_count_ptr + row * stride_pc_row + head)
+    n = tl.load(list_lengths_ptr + row * stride_ll_row + head)
     if n == 0:
         return
     lst = row * num_kv_heads + head
     first = tl.load(list_start_ptr + lst)
-    chunk = _step_pages_per_block(list_pages_ptr, num_blocks)
+    chunk = _step_pages_per_block(kept_total_ptr, num_blocks)
     first_block = first // chunk
     num_parts = (first + n - 1) // chunk - first_block + 1
     if num_parts <= 1:
@@ -2823,154 +2285,65 @@ def kernel_moira_merge_pages(
 
 
 def attend(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    list_pages: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    page_list: torch.Tensor, list_lengths: torch.Tensor, output: torch.Tensor,
+    workspace: MoiraWorkspace, scale: float, kept_total: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Attend + Merge over any selector's page lists.
 
     ``page_list`` ``[>= B, H_kv, >= max list length]`` int32 holds logical
-    page indices of each (row, KV head), ``page_count`` ``[>= B, H_kv]`` their
+    page indices of each (row, KV head), ``list_lengths`` ``[>= B, H_kv]`` their
     lengths; both are read on the device only. ``output`` ``[B, H_q, D]``.
-    The split constants (C, N_J, N_T) come from ``workspace.config``, N_F
-    from ``workspace.attend_fill_blocks``.
-    ``list_pages`` (int32 ``[1]``): the sum of ``page_count[:B]``, as Select
-    leaves it in ``workspace.list_pages``; None sums the counts here (one
-    reduction on the device, into ``workspace.list_pages``).
+    N_F blocks (``workspace.attend_fill_blocks``) share the step's pages
+    evenly; Merge combines the lists that span several blocks. The launch is
+    ``attend_launch`` with the workspace's overrides.
+    ``kept_total`` (int32 ``[1]``): the sum of ``list_lengths[:B]``, as Select
+    leaves it in ``workspace.kept_total``; None sums the counts here (one
+    reduction on the device, into ``workspace.kept_total``).
     An fp8 (e4m3) ``kv_cache`` needs ``k_scale`` and ``v_scale`` (the layer's
     fp32 scales, one value each): attention over the dequantized K and V.
     """
-    config = workspace.config
     num_rows, num_q_heads, head_size = query.shape
     if num_rows == 0:
         return
-    kv_scale_args = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
+    kv_fp8, k_scale_arg, v_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
     if num_rows > workspace.max_num_seqs:
         raise ValueError(
             f"Moira: {num_rows} decode rows exceed the workspace's "
             f"max_num_seqs={workspace.max_num_seqs}"
         )
     num_kv_heads = kv_cache.shape[1]
-    if list_pages is None:
-        list_pages = workspace.list_pages
-        torch.sum(page_count[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
-                  out=list_pages[0])  # fmt: skip
-    attend_args, attend_strides, attend_keywords = _attend_arguments(
-        query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-        workspace, scale, kv_scale_args,
-    )  # fmt: skip
-    merge_args, merge_strides, merge_keywords = _merge_arguments(
-        page_count, list_pages, output, workspace, num_kv_heads
-    )
-    if config.attend_schedule == "pages":
-        # N_F blocks share the step's pages evenly; Merge combines the lists
-        # that span several blocks.
-        num_lists = num_rows * num_kv_heads
-        num_blocks = workspace.attend_fill_blocks
-        # A few tile sizes (so a few compiled variants) cover every batch; the
-        # scan over the step's list lengths loops over tiles beyond 1024 lists.
-        lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
-        kernel_moira_attend_pages[(num_blocks,)](
-            *attend_args, workspace.list_start, num_kv_heads, num_lists, num_blocks,
-            *attend_strides, LISTS_TILE=lists_tile, **attend_keywords,
-            **_register_cap(ATTEND_PAGES_LAUNCH["maxnreg"]),
-        )  # fmt: skip
-        kernel_moira_merge_pages[(num_rows, num_q_heads)](
-            *merge_args, workspace.list_start, num_blocks, *merge_strides, **merge_keywords
-        )
-        return
-    num_splits = config.num_splits(num_rows, num_kv_heads)
-    split_args = (num_splits, config.min_chunk_pages, workspace.attend_fill_blocks)
-    kernel_moira_attend[(num_rows, num_kv_heads, num_splits)](
-        *attend_args, *split_args, *attend_strides, **attend_keywords,
-        **_register_cap(ATTEND_LAUNCH["maxnreg"]),
+    group_size = num_q_heads // num_kv_heads
+    if kept_total is None:
+        kept_total = workspace.kept_total
+        torch.sum(list_lengths[:num_rows, :num_kv_heads], dim=(0, 1), dtype=torch.int32,
+                  out=kept_total[0])  # fmt: skip
+    num_lists = num_rows * num_kv_heads
+    num_blocks = workspace.attend_fill_blocks
+    # A few tile sizes (so a few compiled variants) cover every batch; the
+    # scan over the step's list lengths loops over tiles beyond 1024 lists.
+    lists_tile = min(_ATTEND_MAX_LISTS_TILE, max(128, triton.next_power_of_2(num_lists)))
+    launch = attend_launch(kv_fp8, workspace.launch.get("attend"))
+    kernel_moira_attend[(num_blocks,)](
+        query, kv_cache, block_table, seq_lens, page_list, list_lengths, kept_total, output,
+        workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg, scale,
+        workspace.list_start, num_kv_heads, num_lists, num_blocks,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), block_table.stride(0), page_list.stride(0), page_list.stride(1),
+        list_lengths.stride(0), output.stride(0), output.stride(1),
+        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), HEAD_SIZE=head_size,
+        PAGE_SIZE=MOIRA_PAGE_SIZE, LISTS_TILE=lists_tile, KV_FP8=kv_fp8,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **_register_cap(launch.maxnreg),
+        **_dependent_launch(workspace.launch),
     )  # fmt: skip
     kernel_moira_merge[(num_rows, num_q_heads)](
-        *merge_args, *split_args, *merge_strides, **merge_keywords
-    )
-
-
-def _attend_arguments(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_list: torch.Tensor,
-    page_count: torch.Tensor,
-    list_pages: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    kv_scale_args: tuple[Any, ...],
-) -> tuple[tuple, tuple, dict[str, Any]]:
-    """What both Attend kernels take, in their order: (leading arguments,
-    strides, constexprs and launch options). The schedule's own arguments go
-    between the first two. ``kv_scale_args``: ``_kv_scale_args`` of the cache
-    and its K and V scales."""
-    num_q_heads, head_size = query.shape[1], query.shape[2]
-    group_size = num_q_heads // kv_cache.shape[1]
-    kv_fp8, k_scale_arg, v_scale_arg = kv_scale_args
-    if ATTEND_LAUNCH["tile_pages"] not in ATTEND_TILE_PAGES:
-        raise ValueError(
-            f"Moira: ATTEND_LAUNCH['tile_pages'] must be one of {ATTEND_TILE_PAGES}, got "
-            f"{ATTEND_LAUNCH['tile_pages']!r}"
-        )
-    leading = (query, kv_cache, block_table, seq_lens, page_list, page_count, list_pages, output,
-               workspace.partial_out, workspace.partial_lse, k_scale_arg, v_scale_arg,
-               scale)  # fmt: skip
-    strides = (query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-               kv_cache.stride(2), block_table.stride(0), page_list.stride(0),
-               page_list.stride(1), page_count.stride(0), output.stride(0),
-               output.stride(1))  # fmt: skip
-    keywords = dict(
-        GROUP_SIZE=group_size,
-        GROUP_ROWS=_group_rows(group_size),
-        HEAD_SIZE=head_size,
-        PAGE_SIZE=MOIRA_PAGE_SIZE,
-        KV_FP8=kv_fp8,
-        TILE_PAGES=ATTEND_LAUNCH["tile_pages"],
-        num_warps=ATTEND_LAUNCH["num_warps"],
-        num_stages=attend_num_stages(kv_fp8),
-        **_dependent_launch(),
-    )
-    return leading, strides, keywords
-
-
-def attend_num_stages(kv_fp8: bool) -> int:
-    """Attend's pipeline stages: ATTEND_LAUNCH["num_stages"] when set, else the KV
-    cache dtype's (ATTEND_STAGES_BY_KV)."""
-    stages = ATTEND_LAUNCH["num_stages"]
-    return ATTEND_STAGES_BY_KV["fp8" if kv_fp8 else "bf16"] if stages is None else stages
-
-
-def _merge_arguments(
-    page_count: torch.Tensor,
-    list_pages: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    num_kv_heads: int,
-) -> tuple[tuple, tuple, dict[str, Any]]:
-    """What both Merge kernels take, in their order, as ``_attend_arguments``."""
-    num_q_heads, head_size = output.shape[1], output.shape[2]
-    leading = (page_count, list_pages, workspace.partial_out, workspace.partial_lse, output)
-    strides = (page_count.stride(0), output.stride(0), output.stride(1))
-    keywords = dict(
-        GROUP_SIZE=num_q_heads // num_kv_heads,
-        HEAD_SIZE=head_size,
-        TILE_CHUNKS=_MERGE_TILE_CHUNKS,
-        num_warps=4,
-        **_dependent_launch(),
-    )
-    return leading, strides, keywords
+        list_lengths, kept_total, workspace.partial_out, workspace.partial_lse, output,
+        workspace.list_start, num_blocks, list_lengths.stride(0), output.stride(0),
+        output.stride(1),
+        GROUP_SIZE=group_size, HEAD_SIZE=head_size, TILE_CHUNKS=_MERGE_TILE_CHUNKS, num_warps=4,
+        **_dependent_launch(workspace.launch),
+    )  # fmt: skip
 
 
 # ==========================================================================
@@ -2992,6 +2365,8 @@ class MoiraWorkspace:
     Allocated once (before CUDA-graph capture) and shared by all layers of a
     model (layers run one after another). Every launch reads and writes views
     of these tensors, so a captured graph replays against the same addresses.
+    ``launch``: launch overrides by kernel for this workspace's decode steps
+    (benchmarks and probes; ``check_launch_overrides``), fixed like the grids.
     """
 
     def __init__(
@@ -3003,8 +2378,10 @@ class MoiraWorkspace:
         max_pages: int,
         config: MoiraConfig,
         device: torch.device | str,
+        launch: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         config.validate()
+        self.launch = check_launch_overrides(launch)
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(
                 f"Moira: num_q_heads ({num_q_heads}) must be a multiple of "
@@ -3031,14 +2408,10 @@ class MoiraWorkspace:
         self.head_size = head_size
         tile = min(triton.next_power_of_2(max(max_pages, 16)), _SELECT_MAX_TILE_PAGES)
         pibar_pages = triton.cdiv(max_pages, tile) * tile
-        # Attend's partials are indexed by (row * J + j); J shrinks as the
-        # batch grows (Eq. 4), so size for the largest rows * J over batches.
-        max_chunks = max(b * config.num_splits(b, num_kv_heads) for b in range(1, max_num_seqs + 1))
-        if config.attend_schedule == "pages":
-            # Slots (block + list) of G query heads each: fewer than
-            # N_F + lists of them (kernel_moira_attend_pages).
-            max_lists = max_num_seqs * num_kv_heads
-            max_chunks = triton.cdiv(self.attend_fill_blocks + max_lists, num_kv_heads)
+        # Attend's partial slots (block + list) of G query heads each: fewer
+        # than N_F + lists of them (kernel_moira_attend).
+        max_lists = max_num_seqs * num_kv_heads
+        num_parts = triton.cdiv(self.attend_fill_blocks + max_lists, num_kv_heads)
         f32, i32 = torch.float32, torch.int32
         self.logmass = torch.empty(
             max_num_seqs, num_kv_heads, group_size, max_pages, dtype=f32, device=device
@@ -3047,10 +2420,10 @@ class MoiraWorkspace:
         self.page_list = torch.empty(
             max_num_seqs, num_kv_heads, max_pages, dtype=i32, device=device
         )
-        self.page_count = torch.zeros(max_num_seqs, num_kv_heads, dtype=i32, device=device)
-        self.partial_out = torch.empty(max_chunks, num_q_heads, head_size, dtype=f32, device=device)
-        self.partial_lse = torch.empty(max_chunks, num_q_heads, dtype=f32, device=device)
-        #: Under attend_schedule="pages": where each list of the step starts
+        self.list_lengths = torch.zeros(max_num_seqs, num_kv_heads, dtype=i32, device=device)
+        self.partial_out = torch.empty(num_parts, num_q_heads, head_size, dtype=f32, device=device)
+        self.partial_lse = torch.empty(num_parts, num_q_heads, dtype=f32, device=device)
+        #: Where each list of the step starts
         #: when the lists are laid end to end (Attend writes, Merge reads).
         self.list_start = torch.zeros(max_num_seqs * num_kv_heads, dtype=i32, device=device)
         #: Pages kept and pages in the rows, summed over layers and steps
@@ -3061,7 +2434,7 @@ class MoiraWorkspace:
         self.dense_read_pages = 0
         #: Pages in all the lists of the current step (Estimate zeroes it,
         #: Select adds each list, Attend and Merge size their chunks by it).
-        self.list_pages = torch.zeros(1, dtype=i32, device=device)
+        self.kept_total = torch.zeros(1, dtype=i32, device=device)
         #: Select's parameters (gamma, K, fraction), read on the device so that
         #: set_selector() changes what captured graphs do.
         self.selector_params = torch.tensor(config.selector_values(), dtype=f32, device=device)
@@ -3090,11 +2463,7 @@ class MoiraWorkspace:
         # Attend's split constants are baked into captured grids; the
         # estimator into the captured Estimate variant and the summary layout.
         fixed_fields = (
-            "min_chunk_pages",
-            "min_splits_per_row",
-            "min_splits_total",
             "attend_fill_blocks",
-            "attend_schedule",
             "estimator",
             "summary_dtype",
             "refine",
@@ -3141,12 +2510,12 @@ class MoiraWorkspace:
             self.logmass,
             self.pibar,
             self.page_list,
-            self.page_count,
+            self.list_lengths,
             self.partial_out,
             self.partial_lse,
             self.list_start,
             self.read_stats,
-            self.list_pages,
+            self.kept_total,
             self.selector_params,
             self.row_gamma,
         )
@@ -3162,7 +2531,7 @@ def moira_workspace_bytes(
     MoiraMetadataBuilder allocates."""
     max_pages = cdiv(vllm_config.model_config.max_model_len, MOIRA_PAGE_SIZE)
     config = moira_config_from_env()
-    # Under attend_schedule="pages" the partials follow N_F, which for 0 is
+    # The partials follow N_F, which for 0 is
     # this process's GPU's: resolve it here, not on the meta device.
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -3183,17 +2552,11 @@ def moira_workspace_bytes(
 
 
 def estimate_and_select(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    write_filled_pages: bool = False,
-    k_scale: torch.Tensor | None = None,
-) -> None:
-    """Estimate + Select: fills ``workspace.page_list`` / ``page_count``
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, workspace: MoiraWorkspace, scale: float,
+    write_filled_pages: bool = False, k_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Estimate + Select: fills ``workspace.page_list`` / ``list_lengths``
     (``write_filled_pages``, ``k_scale``: see ``estimate_page_logmass``)."""
     num_rows = query.shape[0]
     if num_rows == 0:
@@ -3207,67 +2570,34 @@ def estimate_and_select(
     # never reach them (seq_len <= max_model_len <= 64 * workspace.max_pages),
     # so the grids cover only the pages the workspace was sized for.
     max_pages = min(block_table.shape[1], workspace.max_pages)
+    ws = workspace
     estimate_page_logmass(
-        query,
-        kv_cache,
-        summaries,
-        block_table,
-        seq_lens,
-        workspace.logmass,
-        scale,
-        workspace.config.estimator,
-        workspace.selector_params,
-        list_pages=workspace.list_pages,
-        write_filled_pages=write_filled_pages,
-        k_scale=k_scale,
-    )
-    if workspace.select_stats is not None:
+        query, kv_cache, summaries, block_table, seq_lens, ws.logmass, scale, ws.config.estimator,
+        ws.selector_params, kept_total=ws.kept_total, write_filled_pages=write_filled_pages,
+        k_scale=k_scale, launch=ws.launch,
+    )  # fmt: skip
+
+    def select(**outputs: torch.Tensor | None) -> None:
+        select_pages(ws.logmass, seq_lens, ws.pibar, ws.page_list, ws.list_lengths,
+                     ws.selector_params, num_rows, max_pages, ws.read_stats,
+                     row_gamma=ws.row_gamma, launch=ws.launch, **outputs)  # fmt: skip
+
+    if ws.select_stats is not None:
         # refine="wide": Select once for the threshold, refine, then the real Select.
-        select_pages(
-            workspace.logmass,
-            seq_lens,
-            workspace.pibar,
-            workspace.page_list,
-            workspace.page_count,
-            workspace.selector_params,
-            num_rows,
-            max_pages,
-            workspace.read_stats,
-            row_gamma=workspace.row_gamma,
-            select_stats=workspace.select_stats,
-        )
+        select(select_stats=ws.select_stats)
         refine_page_logmass(
-            query, kv_cache, summaries, block_table, seq_lens, workspace.logmass,
-            workspace.select_stats, scale, workspace.config.estimator, k_scale,
+            query, kv_cache, summaries, block_table, seq_lens, ws.logmass, ws.select_stats,
+            scale, ws.config.estimator, k_scale, ws.launch,
         )  # fmt: skip
-    select_pages(
-        workspace.logmass,
-        seq_lens,
-        workspace.pibar,
-        workspace.page_list,
-        workspace.page_count,
-        workspace.selector_params,
-        num_rows,
-        max_pages,
-        workspace.read_stats,
-        row_gamma=workspace.row_gamma,
-        list_pages=workspace.list_pages,
-    )
+    select(kept_total=ws.kept_total)
 
 
 def moira_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    output: torch.Tensor,
-    workspace: MoiraWorkspace,
-    scale: float,
-    write_filled_pages: bool = False,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, output: torch.Tensor,
+    workspace: MoiraWorkspace, scale: float, write_filled_pages: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """One layer's sparse decode: Estimate -> Select -> Attend -> Merge.
 
     ``query``/``output`` ``[B, H_q, D]`` bf16 (one token per row),
@@ -3293,11 +2623,11 @@ def moira_decode(
         block_table,
         seq_lens,
         workspace.page_list,
-        workspace.page_count,
+        workspace.list_lengths,
         output,
         workspace,
         scale,
-        list_pages=workspace.list_pages,
+        kept_total=workspace.kept_total,
         k_scale=k_scale,
         v_scale=v_scale,
     )
@@ -3561,8 +2891,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         self.moira_config = moira_config_from_env()
         logger.info_once(
             "MOIRA decode: %s (rows with context x decode rows <= %d tokens read every "
-            "page: MOIRA_DENSE_BATCH_TOKENS, 0 = off; Attend aims small steps at %d "
-            "blocks: MOIRA_ATTEND_FILL_BLOCKS, 0 = the blocks this GPU holds at once)",
+            "page; Attend runs %d blocks, the blocks this GPU holds at once)",
             self.moira_config,
             self.moira_config.dense_batch_tokens,
             resolve_attend_fill_blocks(self.moira_config, device),
@@ -3692,8 +3021,7 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if self._capturing or cam.seq_lens_cpu_upper_bound is None:
             return
         logger.info_once(
-            "MOIRA: decode steps whose rows are all dense run FA3 in their own CUDA "
-            "graphs (MOIRA_DENSE_STEPS=fa3)"
+            "MOIRA: decode steps whose rows are all dense run FA3 in their own CUDA graphs"
         )
         seq = cam.seq_lens_cpu_upper_bound[: cam.num_reqs].numpy()
         pages = int(((seq + (MOIRA_PAGE_SIZE - 1)) // MOIRA_PAGE_SIZE).sum())
@@ -3705,6 +3033,49 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
 # --------------------------------------------------------------------------
 # Backend
 # --------------------------------------------------------------------------
+#: MoiraBackend.validate_configuration's feature flags that MOIRA refuses,
+#: with the reason (an unknown flag that is set gets a generic one).
+_REFUSED_FEATURES = {
+    "use_mla": "MLA models are not supported by MOIRA; only MHA/GQA/MQA",
+    "use_sparse": "sparse (indexer) attention is not supported by MOIRA",
+    "has_sink": "attention sinks (learned sinks) are not supported by MOIRA",
+    "use_mm_prefix": (
+        "multimodal prefix (mm_prefix) bidirectional attention is not supported by MOIRA"
+    ),
+    "use_per_head_quant_scales": "per-head KV quantization scales are not supported by MOIRA",
+    "has_sliding_window": (
+        "sliding-window attention is not supported by MOIRA; only full attention (for "
+        'mixed models use attention_config.backend_per_kind={"sliding_window": "FLASH_ATTN"})'
+    ),
+    "use_rswa": "R-SWA attention is not supported by MOIRA",
+    "use_non_causal": "non-causal attention is not supported by MOIRA; causal only",
+    "use_batch_invariant": (
+        "batch invariance (VLLM_BATCH_INVARIANT=1) is not supported by MOIRA: its split-K "
+        "decode is not batch invariant"
+    ),
+    "use_kv_connector": (
+        "KV connectors / KV offloading are not supported by MOIRA: externally loaded KV "
+        "blocks carry no page summaries"
+    ),
+    "use_dcp": (
+        "decode context parallelism (DCP) is not supported by MOIRA; use "
+        "decode_context_parallel_size=1"
+    ),
+    "use_pcp": (
+        "prefill context parallelism (PCP) is not supported by MOIRA; use "
+        "prefill_context_parallel_size=1"
+    ),
+    "use_adaptive_verification": (
+        "adaptive verification (speculative decoding) is not supported by MOIRA"
+    ),
+}
+
+
+def _unsupported(cls: type[MoiraBackend]) -> bool:
+    """A capability MoiraBackend does not have (see its class body)."""
+    return False
+
+
 class MoiraBackend(FlashAttentionBackend):
     """Sparse decode (Moira kernels) + FA3 prefill, for SM90, bf16 or fp8 KV.
 
@@ -3804,37 +3175,16 @@ class MoiraBackend(FlashAttentionBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_rswa(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_per_head_quant_scales(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False
+    # Capabilities FA advertises that Moira's kernels do not have: the selector
+    # refuses them instead of falling back.
+    supports_sliding_window = classmethod(_unsupported)
+    supports_rswa = classmethod(_unsupported)
+    supports_non_causal = classmethod(_unsupported)
+    supports_sink = classmethod(_unsupported)
+    supports_mm_prefix = classmethod(_unsupported)
+    supports_batch_invariance = classmethod(_unsupported)
+    supports_per_head_quant_scales = classmethod(_unsupported)
+    supports_kv_connector = classmethod(_unsupported)
 
     @classmethod
     def supports_combination(cls, *args: Any, **kwargs: Any) -> str | None:
@@ -3886,18 +3236,6 @@ class MoiraBackend(FlashAttentionBackend):
                 f"block size is exactly {MOIRA_PAGE_SIZE} (use --block-size "
                 f"{MOIRA_PAGE_SIZE}, or a multiple of it, or leave it unset)"
             )
-        if use_mla:
-            r.append("MLA models are not supported by MOIRA; only MHA/GQA/MQA")
-        if use_sparse:
-            r.append("sparse (indexer) attention is not supported by MOIRA")
-        if has_sink:
-            r.append("attention sinks (learned sinks) are not supported by MOIRA")
-        if use_mm_prefix:
-            r.append(
-                "multimodal prefix (mm_prefix) bidirectional attention is not supported by MOIRA"
-            )
-        if use_per_head_quant_scales:
-            r.append("per-head KV quantization scales are not supported by MOIRA")
         if not cls.supports_compute_capability(device_capability):
             r.append(
                 f"compute capability {device_capability.major}."
@@ -3909,43 +3247,19 @@ class MoiraBackend(FlashAttentionBackend):
                 f"attention type {attn_type!r} is not supported by MOIRA; only "
                 f"{AttentionType.DECODER.value!r} is supported"
             )
-        if has_sliding_window:
-            r.append(
-                "sliding-window attention is not supported by MOIRA; only full "
-                "attention (for mixed models use attention_config."
-                'backend_per_kind={"sliding_window": "FLASH_ATTN"})'
-            )
-        if use_rswa:
-            r.append("R-SWA attention is not supported by MOIRA")
-        if use_non_causal:
-            r.append("non-causal attention is not supported by MOIRA; causal only")
-        if use_batch_invariant:
-            r.append(
-                "batch invariance (VLLM_BATCH_INVARIANT=1) is not supported by "
-                "MOIRA: its split-K decode is not batch invariant"
-            )
-        if use_kv_connector:
-            r.append(
-                "KV connectors / KV offloading are not supported by MOIRA: "
-                "externally loaded KV blocks carry no page summaries"
-            )
-        if use_dcp:
-            r.append(
-                "decode context parallelism (DCP) is not supported by MOIRA; "
-                "use decode_context_parallel_size=1"
-            )
-        if use_pcp:
-            r.append(
-                "prefill context parallelism (PCP) is not supported by MOIRA; "
-                "use prefill_context_parallel_size=1"
-            )
-        if use_adaptive_verification:
-            r.append("adaptive verification (speculative decoding) is not supported by MOIRA")
-        for flag, value in unknown_flags.items():
-            # A newer vLLM passed a feature flag this backend does not know:
-            # refuse it if set rather than ignore it.
-            if value:
-                r.append(f"{flag}={value!r} is not supported by MOIRA")
+        features = dict(
+            use_mla=use_mla, use_sparse=use_sparse, has_sink=has_sink,
+            use_mm_prefix=use_mm_prefix, use_per_head_quant_scales=use_per_head_quant_scales,
+            has_sliding_window=has_sliding_window, use_rswa=use_rswa,
+            use_non_causal=use_non_causal, use_batch_invariant=use_batch_invariant,
+            use_kv_connector=use_kv_connector, use_dcp=use_dcp, use_pcp=use_pcp,
+            use_adaptive_verification=use_adaptive_verification,
+            # A newer vLLM's feature flags that this backend does not know:
+            # refused if set rather than ignored.
+            **unknown_flags,
+        )  # fmt: skip
+        r.extend(_REFUSED_FEATURES.get(flag, f"{flag}={value!r} is not supported by MOIRA")
+                 for flag, value in features.items() if value)  # fmt: skip
         try:
             moira_config_from_env()
         except ValueError as e:
@@ -4056,15 +3370,10 @@ class MoiraImpl(FlashAttentionImpl):
         return kv_cache.view(torch.float8_e4m3fn), layer._k_scale, layer._v_scale
 
     def _flash_attention(
-        self,
-        layer: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: FlashAttentionMetadata,
+        self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """FlashAttentionImpl.forward on the rows that FA3 serves (prefill
         rows, dense steps). On an fp8 cache the bf16 query is quantized to
         e4m3 with the layer's q_scale first, and FA3 gets q_scale as its

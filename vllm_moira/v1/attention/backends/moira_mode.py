@@ -18,8 +18,6 @@ hooks' presence), which do not change in a running process. Installed as
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Any
 
 #: How error messages name the installation that has every feature.
@@ -66,13 +64,12 @@ def _names_request_guard(processor: Any) -> bool:
     )
 
 
-def plugin_mode_reasons(vllm_config: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+def plugin_mode_reasons(vllm_config: Any) -> list[str]:
     """Why a plugin-mode engine must not start with this configuration (empty on
     the patched build). Each reason names what to change and the patched build,
     which has the feature."""
     if is_patched_build():
         return []
-    environ = os.environ if environ is None else environ
     reasons = []
     model_config = getattr(vllm_config, "model_config", None)
     processors = list(getattr(model_config, "logits_processors", None) or ())
@@ -84,11 +81,5 @@ def plugin_mode_reasons(vllm_config: Any, environ: Mapping[str, str] | None = No
             f"{MOIRA_GAMMA_EXTRA_ARG}; start the engine with --logits-processors "
             f"{REQUEST_GUARD} (LLM(..., logits_processors=[{REQUEST_GUARD!r}])), which "
             f"refuses such requests with HTTP 400, or use {PATCHED_BUILD}"
-        )
-    if environ.get("MOIRA_DENSE_STEPS", "").strip().lower() == "fa3":
-        reasons.append(
-            "MOIRA_DENSE_STEPS=fa3 (FA3's decode in FULL CUDA graphs of its own for steps "
-            "whose rows are all read whole) needs the CUDA-graph step classes of "
-            f"{PATCHED_BUILD}; as a plugin, unset MOIRA_DENSE_STEPS or set it to 'moira'"
         )
     return reasons

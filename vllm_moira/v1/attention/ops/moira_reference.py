@@ -423,16 +423,10 @@ def wide_pages(
 
 
 def refine_row_logmass(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table_row: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    logmass: torch.Tensor,
-    gamma: float,
-    estimator: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
+    block_table_row: torch.Tensor, seq_len: int, scale: float, logmass: torch.Tensor,
+    gamma: float, estimator: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Stage 2 of Estimate under ``refine="wide"``: ``logmass [H_kv, G, n]`` (stage 1,
     :func:`estimate_row_logmass`) with the exact log-mass of every page that is both a
     :func:`refine_candidates` page of its KV head at ``gamma`` and a :func:`wide_pages`
@@ -584,7 +578,7 @@ def dense_decode(
 # slot 0 = bulk mean, slot 1 = bulk (population) variance, slots 2 .. 1 + r =
 # the stored keys (farthest first). Log-mass:
 # ``logaddexp(x.mu_b + rem(x^2.var_b; 64 - r) + log(64 - r), logsumexp_j x.k_j)``.
-# ``mvar_top1`` and ``mvar_top16`` are studied only (no kernel stores them).
+# Only ``mvar_top8`` has kernels (moira.MOIRA_ESTIMATORS); the others are studied here.
 TOP_ESTIMATORS = {"mvar_top1": 1, "mvar_top2": 2, "mvar_top4": 4, "mvar_top8": 8,
                   "mvar_top16": 16}  # fmt: skip
 
