@@ -111,7 +111,7 @@ def main() -> None:
     # --logits-processors GUARD` builds it, and Moira's engine-level checks on it.
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_moira.v1.attention.backends.moira import check_vllm_config_for_moira
+    from vllm_moira.v1.attention.backends.moira_config import check_vllm_config_for_moira
 
     def engine_config(**kwargs):
         return EngineArgs(
@@ -132,7 +132,7 @@ def main() -> None:
     # extras field (patch 0005 adds it).
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_moira.v1.attention.backends.moira import slice_prefill_common_metadata
+    from vllm_moira.v1.attention.backends.moira_utils import slice_prefill_common_metadata
 
     qsl = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
     seq = torch.tensor([70, 130, 5], dtype=torch.int32)

@@ -16,9 +16,11 @@ the step replays in vLLM's full CUDA graph with no host planning:
 Summaries are written when a page fills: by ``write_page_summaries`` for
 prefill tokens, by Estimate for decode rows. Prefill runs on FA3.
 
-Layout: constants and configuration; the kernels stage by stage, each
-launcher after its kernel; the decode step and its workspace; the vLLM
-backend (metadata, builder, backend, impl).
+Layout: the kernels' constants; the kernels stage by stage, each launcher
+after its kernel; the decode step and its workspace; the vLLM backend
+(metadata, builder, backend, impl). The options, the launch parameters and
+the refused configurations are in moira_config.py; the prefill rows'
+metadata slice in moira_utils.py.
 """
 
 from __future__ import annotations
@@ -121,14 +123,15 @@ except ImportError:  # pragma: no cover - no Triton, or one without it: plain la
 logger = init_logger(__name__)
 
 # ==========================================================================
-# Constants and configuration
+# Constants
 # ==========================================================================
 
 #: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
 REFINE_BELOW_NATS = 3.0
 REFINE_WIDE_FACTOR = 0.75
 
-# Rows of fewer pages (K_B = 8 in Alg. 1) use this smaller tile.
+# Select's tile for rows of fewer pages (K_B = 8 in Alg. 1); the largest is
+# _SELECT_MAX_TILE_PAGES (moira_config).
 _SELECT_SHORT_TILE_PAGES = 256
 # Largest tile of list lengths that Attend scans at once.
 _ATTEND_MAX_LISTS_TILE = 1024

@@ -33,7 +33,7 @@ from ...worker.moira_summaries import MOIRA_PAGE_SIZE, MOIRA_SUMMARY_DTYPES
 from .moira_mode import plugin_mode_reasons
 
 # ==========================================================================
-# Options
+# Options, their allowed values and defaults
 # ==========================================================================
 
 #: Head sizes the kernels are built and tested for.
@@ -306,8 +306,6 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
 # ==========================================================================
 # Launch parameters
 # ==========================================================================
-# Largest page tile Select keeps in registers; longer rows loop over tiles.
-_SELECT_MAX_TILE_PAGES = 4096
 # Each kernel's launch comes from a function of the shapes and dtypes it runs
 # on. Benchmarks and probes pass overrides, by kernel (``LAUNCH_KERNELS``), to
 # MoiraWorkspace(launch=...) or to a launcher's ``launch`` argument; a
@@ -323,6 +321,8 @@ ATTEND_BLOCKS_PER_SM = 3
 # of a page summary are reduced in the order of the warps' layout, and the
 # writer and Estimate must store the same bits for the same page.
 _ESTIMATE_NUM_WARPS = 2
+# Largest page tile Select keeps in registers; longer rows loop over tiles.
+_SELECT_MAX_TILE_PAGES = 4096
 
 
 # The launches, as the functions below resolve them.
