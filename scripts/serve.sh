@@ -110,7 +110,7 @@ import sys
 
 logging.disable(logging.WARNING)  # vLLM's import-time platform notes
 try:
-    from vllm_moira.v1.attention.backends.moira import moira_config_from_env
+    from vllm_moira.v1.attention.backends.moira_config import moira_config_from_env
 except ImportError as err:
     print(f"[serve.sh] --check: cannot import Moira's backend: {err}", file=sys.stderr)
     sys.exit(2)
