@@ -65,6 +65,9 @@ from ...worker.moira_summaries import (
     summary_padded_spec,
 )
 from ...worker.moira_summaries import (
+    MOIRA_SUMMARY_DTYPES as MOIRA_SUMMARY_DTYPES,  # re-exported with the other options
+)
+from ...worker.moira_summaries import (
     summary_storage as summary_storage,  # re-exported: the kernel API names it
 )
 
