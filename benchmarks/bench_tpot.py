@@ -125,7 +125,7 @@ def fixed_fraction_for(family, context, batch, overrides=None) -> float | None:
 
 def plan_arms(backend, family, context, batch, gammas, overrides=None) -> list[dict]:
     """The arms of one shape: dense, or Moira coverage per gamma + fixed."""
-    if backend != "MOIRA":
+    if backend not in MOIRA_BACKENDS:
         return [{"arm": "dense", "selector": None, "gamma": None, "fixed_fraction": None}]
     arms = [{"arm": "moira", "selector": "coverage", "gamma": g, "fixed_fraction": None}
             for g in gammas]  # fmt: skip
@@ -266,29 +266,45 @@ def validate_tpot_row(row: dict) -> None:
         raise ValueError(f"row {row!r}: reads must be in (0, 1] or null")
 
 
+#: Moira's backend names: MOIRA on the patched build, CUSTOM in plugin mode on stock vLLM.
+MOIRA_BACKENDS = ("MOIRA", "CUSTOM")
+#: The logits processor that plugin mode requires (it refuses per-request moira_gamma).
+REQUEST_GUARD = "vllm_moira.request_guard:MoiraRequestGuard"
+
+
+def moira_module(backend: str):
+    """The backend module the engine runs: the copy inside vLLM on the patched build, the
+    installed package in plugin mode (the class the plugin registers)."""
+    if backend == "CUSTOM":
+        from vllm_moira.v1.attention.backends import moira
+    else:
+        from vllm.v1.attention.backends import moira
+    return moira
+
+
 #: MoiraConfig fields fixed per engine that every MOIRA row names.
-ENGINE_FIELDS = ("estimator", "summary_dtype", "refine")
+ENGINE_FIELDS = ("estimator", "summary_dtype", "refine", "mode")
 
 
-def engine_fields(moira_config: dict | None) -> dict:
-    """The row fields of one MOIRA engine's configuration: ENGINE_FIELDS, whether every
-    field but γ is the backend's default (``is_default``), and that default γ."""
+def engine_fields(moira_config: dict | None, backend: str = "MOIRA") -> dict:
+    """The row fields of one MOIRA engine's configuration: ENGINE_FIELDS (``mode``:
+    "plugin" for CUSTOM), whether every field but γ is the backend's default
+    (``is_default``), and that default γ."""
     if not moira_config:
         return {}
-    from vllm.v1.attention.backends import moira
-
-    default = dataclasses.asdict(moira.MoiraConfig())
+    default = dataclasses.asdict(moira_module(backend).MoiraConfig())
     same = all(moira_config.get(k) == v for k, v in default.items() if k != "gamma")
-    return {**{k: moira_config.get(k) for k in ENGINE_FIELDS}, "is_default": same,
-            "default_gamma": default["gamma"]}  # fmt: skip
+    return {**{k: moira_config.get(k) for k in ENGINE_FIELDS if k != "mode"},
+            **({"mode": "plugin"} if backend == "CUSTOM" else {}),
+            "is_default": same, "default_gamma": default["gamma"]}  # fmt: skip
 
 
-def _moira_config_record() -> dict | None:
+def _moira_config_record(backend: str) -> dict | None:
     """The backend's MoiraConfig as the engine will build it from MOIRA_*
     (defaults included, e.g. the Attend schedule), for the record."""
     try:
-        from vllm.v1.attention.backends import moira
-    except ImportError:  # not built into this vLLM
+        moira = moira_module(backend)
+    except ImportError:  # neither built into this vLLM nor installed
         return None
     return dataclasses.asdict(moira.moira_config_from_env())
 
@@ -398,11 +414,9 @@ class Selector:
     def __init__(self, backend: str):
         self.workspaces: list = []
         self.note = None
-        if backend != "MOIRA":
+        if backend not in MOIRA_BACKENDS:
             return
-        from vllm.v1.attention.backends import moira
-
-        self.workspaces = moira.live_workspaces()
+        self.workspaces = moira_module(backend).live_workspaces()
         if not self.workspaces:
             self.note = "no MoiraWorkspace found in this process (is the engine in-process?)"
         elif not all(hasattr(ws, "set_selector") for ws in self.workspaces):
@@ -735,7 +749,12 @@ def base_row(ctx, context, batch, arm) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="shared/gpu/models/Llama-3.1-8B")
-    ap.add_argument("--backend", default="MOIRA", choices=["FLASH_ATTN", "MOIRA"])
+    ap.add_argument(
+        "--backend",
+        default="MOIRA",
+        choices=["FLASH_ATTN", *MOIRA_BACKENDS],
+        help="CUSTOM: Moira in plugin mode on stock vLLM (with its request guard)",
+    )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="vLLM's --kv-cache-dtype: auto (bf16) or fp8 (e4m3, per-layer "
                     "K/V scales)")  # fmt: skip
@@ -790,6 +809,8 @@ def main() -> int:
             print(f"  {s['model']} {s['context']}x{s['batch']} {s['selector']} "
                   f"reads={s['reads']} speedup={s['speedup']:.2f}")  # fmt: skip
         return 0
+    if a.backend == "CUSTOM" and a.tensor_parallel_size > 1:
+        ap.error("--backend CUSTOM switches the selector in this process: --tensor-parallel-size 1")
     a.settle = max(1, a.settle)
     if a.quick:
         a.shapes = a.shapes or QUICK_SHAPES
@@ -854,6 +875,8 @@ def main() -> int:
         compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
                             "cudagraph_capture_sizes": sizes},
     )  # fmt: skip
+    if a.backend == "CUSTOM":
+        kw["logits_processors"] = [REQUEST_GUARD]
     print("LLM kwargs:", kw, flush=True)
     record: dict = {
         "command": "python " + " ".join(sys.argv),
@@ -862,7 +885,7 @@ def main() -> int:
         "backend": a.backend,
         "kv_cache_dtype": a.kv_cache_dtype,
         "moira_env": {k: v for k, v in os.environ.items() if k.startswith("MOIRA_")},
-        "moira_config": _moira_config_record() if a.backend == "MOIRA" else None,
+        "moira_config": _moira_config_record(a.backend) if a.backend in MOIRA_BACKENDS else None,
         "notes": [],
         "rows": [],
         "breakdown": [],
@@ -887,14 +910,14 @@ def main() -> int:
         record["engine"]["tensor_parallel_size"] = a.tensor_parallel_size
     else:
         selector = Selector(a.backend)
-    if a.backend == "MOIRA":
+    if a.backend in MOIRA_BACKENDS:
         record["engine"]["moira_workspaces"] = len(selector.workspaces)
         record["engine"]["moira_ranks"] = getattr(selector, "ranks", None)
         if selector.note:
             record["notes"].append(selector.note)
             print("WARNING:", selector.note, flush=True)
     ctx = {"model": model_name, "kv_cache_dtype": a.kv_cache_dtype,
-           **engine_fields(record["moira_config"]),
+           **engine_fields(record["moira_config"], a.backend),
            "vocab": int(cfg["vocab_size"]), "num_layers":
            int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,
            "max_model_len": max_len, "breakdown": record["breakdown"]}  # fmt: skip
@@ -926,7 +949,7 @@ def main() -> int:
                              "documents": len(ctx["text_starts"])}  # fmt: skip
     for context, batch in shapes:
         arms = plans[(context, batch)]
-        if a.backend == "MOIRA" and not selector.can_switch:
+        if a.backend in MOIRA_BACKENDS and not selector.can_switch:
             arms = arms[:1]  # cannot switch: the env setting only (see notes)
         if a.deadline_s and time.time() - t_start > a.deadline_s:
             print(f"SKIP {context}x{batch}: --deadline-s {a.deadline_s:g} passed "

@@ -426,7 +426,7 @@ MANIFEST: list[dict] = [
 ]
 
 #: Row fields that name a Moira engine's configuration, in display order.
-CONFIG_KEYS = ("estimator", "summary_dtype", "refine", "attend", "dense_batch_tokens")
+CONFIG_KEYS = ("estimator", "summary_dtype", "refine", "attend", "dense_batch_tokens", "mode")
 
 
 # ---------------------------------------------------------------- formatting helpers
@@ -484,8 +484,12 @@ def config_text(row: dict, defaults: dict | None) -> str:
     for k in CONFIG_KEYS:
         if merged.get(k) is not None:
             v = merged[k]
-            parts.append(f"refine {v}" if k == "refine" else f"{k} {v}" if k in (
-                "attend", "dense_batch_tokens") else str(v))  # fmt: skip
+            if k == "refine":
+                parts.append(f"refine {v}")
+            elif k in ("attend", "dense_batch_tokens"):
+                parts.append(f"{k} {v}")
+            else:
+                parts.append(f"{v} mode" if k == "mode" else str(v))
     if row.get("attend_launch"):
         parts.append(f"Attend launch `{json.dumps(row['attend_launch'], sort_keys=True)}`")
     sel = row.get("selector")

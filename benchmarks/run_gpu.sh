@@ -73,11 +73,15 @@ Steps (NAME[:ARG]):
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
                        1,16,32), into serving_real.json
-  plugin-check         plugin mode on stock vLLM: the bundle unpacked again into PREFIX-stock
+  plugin-check[:SHAPES]
+                       plugin mode on stock vLLM: the bundle unpacked again into PREFIX-stock
                        (no patch), this package pip-installed beside it, then
                        plugin_greedy_check.py at gamma 1 with CUSTOM (stock), MOIRA
                        (patched) and FLASH_ATTN on the real model and text, each compared
-                       with FLASH_ATTN, into plugin_gamma1.json and patched_gamma1.json
+                       with FLASH_ATTN, into plugin_gamma1.json and patched_gamma1.json;
+                       then bench_tpot.py on the real text at gamma 0.98 with FLASH_ATTN,
+                       MOIRA and CUSTOM, into tpot_plugin.json (SHAPES default
+                       31744x16,16384x32,8192x64,31744x1)
 
 Options:
   --out DIR            output directory (required; created)
@@ -425,6 +429,23 @@ for step in "${STEPS[@]}"; do
                     "${OUT}/greedy_${arm}.json" "${OUT}/greedy_dense.json" \
                     --out "${OUT}/$([[ ${arm} == custom ]] && echo plugin || echo patched)_gamma1.json"
             done
+            tpot=(python benchmarks/bench_tpot.py --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}"
+                --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32)
+            run plugin_tpot_dense "${tpot[@]}" --backend FLASH_ATTN \
+                --out "${OUT}/tpot_plugin_dense.json"
+            run plugin_tpot_patched "${tpot[@]}" --backend MOIRA --gammas 0.98 --no-fixed \
+                --out "${OUT}/tpot_plugin_patched.json"
+            run plugin_tpot_custom bash -c "source '${stock}/env.sh' && \
+                PYTHONPATH='${stock}/plugin':\"\${PYTHONPATH}\" ${tpot[*]} --backend CUSTOM \
+                --gammas 0.98 --no-fixed --out '${OUT}/tpot_plugin_custom.json'"
+            parts=()
+            for arm in dense patched custom; do
+                [[ -f "${OUT}/tpot_plugin_${arm}.json" ]] && parts+=("${OUT}/tpot_plugin_${arm}.json")
+            done
+            if [[ ${#parts[@]} -ge 2 && -f "${OUT}/tpot_plugin_dense.json" ]]; then
+                run plugin_tpot python benchmarks/bench_tpot.py --merge "${parts[@]}" \
+                    --out "${OUT}/tpot_plugin.json"
+            fi
             ;;
         serving-real)
             dataset="${OUT}/serve_text.jsonl"

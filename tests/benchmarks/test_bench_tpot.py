@@ -280,3 +280,16 @@ def test_rows_of_the_default_engine_at_the_default_gamma_say_default():
     wide = {"model": "m", **bt.engine_fields(dict(default, refine="wide"))}
     assert "config" not in bt.base_row(wide, 8192, 32, arm)
     assert bt.base_row(wide, 8192, 32, arm)["refine"] == "wide"
+
+
+def test_plugin_mode_rows_say_so_and_run_moira_arms():
+    pytest.importorskip("vllm.v1.attention.backends.moira")
+    default = dataclasses.asdict(bt.moira_module("CUSTOM").MoiraConfig())
+    ctx = {"model": "m", **bt.engine_fields(default, "CUSTOM")}
+    arm = {"arm": "moira", "selector": "coverage", "gamma": default["gamma"],
+           "fixed_fraction": None}  # fmt: skip
+    row = bt.base_row(ctx, 8192, 32, arm)
+    assert row["mode"] == "plugin" and row["config"] == "default"
+    assert "mode" not in bt.base_row({"model": "m", **bt.engine_fields(default)}, 8192, 32, arm)
+    arms = bt.plan_arms("CUSTOM", None, 8192, 32, [0.98], {})
+    assert [a["arm"] for a in arms] == ["moira"] * len(arms) and arms[0]["gamma"] == 0.98
