@@ -109,3 +109,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_header(config: pytest.Config) -> str:
     mode = "GPU (MOIRA_TEST_GPU=1)" if GPU_RUN else "CPU (TRITON_INTERPRET=1)"
     return f"moira: {mode}; interpreter bf16 dot fix: {INTERPRETER_BF16_DOT_FIX}"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny Llama config directory for vLLM configs built on the CPU (no weights)."""
+    from tests.v1.attention.moira_backend_utils import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture()
+def clean_moira_env(monkeypatch):
+    """No MOIRA_* option or VLLM_ATTENTION_BACKEND from the caller's environment."""
+    for name in list(os.environ):
+        if name.startswith("MOIRA_") or name == "VLLM_ATTENTION_BACKEND":
+            monkeypatch.delenv(name)

@@ -20,11 +20,6 @@ from tests.v1.attention.moira_backend_utils import make_vllm_config, write_tiny_
 KEY = "moira_gamma"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
 def _params(**extra_args):
     from vllm.sampling_params import SamplingParams
 

@@ -17,25 +17,14 @@ import math
 import pytest
 import torch
 
-from tests.v1.attention.moira_backend_utils import make_vllm_config, moira_module, write_tiny_llama
+from tests.v1.attention.moira_backend_utils import make_vllm_config, moira_module
 from tests.v1.attention.moira_test_utils import make_block_table
 
 H_KV, HEAD, GROUP, LAYERS, BLOCKS = 2, 64, 2, 2, 12
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("MOIRA_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_moira_env")
 
 
 @pytest.fixture()

@@ -11,7 +11,6 @@ import torch
 from tests.v1.attention.moira_backend_utils import (
     make_vllm_config,
     moira_module,
-    write_tiny_llama,
 )
 
 SM90 = None  # filled lazily (import of vllm.platforms happens under conftest env)
@@ -23,18 +22,7 @@ def _cap(major: int, minor: int = 0):
     return DeviceCapability(major, minor)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("MOIRA_") or name == "VLLM_ATTENTION_BACKEND":
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_moira_env")
 
 
 # ---------------------------------------------------------------- registry (0001)

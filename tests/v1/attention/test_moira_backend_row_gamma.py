@@ -19,13 +19,7 @@ from tests.v1.attention.test_moira_backend import _cam, _spec
 KEY = "moira_gamma"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("MOIRA_") or name == "VLLM_ATTENTION_BACKEND":
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_moira_env")
 
 
 @pytest.fixture()

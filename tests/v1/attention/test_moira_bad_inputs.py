@@ -22,7 +22,6 @@ The flag-level unit tests of the same messages are in test_moira_backend.py.
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -51,11 +50,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("MOIRA_") or name == "VLLM_ATTENTION_BACKEND":
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_moira_env")
 
 
 class _HopperStandIn:
