@@ -178,8 +178,9 @@ def test_merge_pairs_fp8_rows_with_both_dense_rows(tmp_path):
 
 
 def test_merge_keeps_each_attend_launch_apart(tmp_path):
-    """Two fp8 Moira engines, the default launch and an --attend-launch candidate:
-    both rows pair with the one dense row, and the candidate's speedup names it."""
+    """Two fp8 Moira engines, the default launch and an Attend launch candidate (records
+    such as tpot_fp8_stages carry ``attend_launch``): both rows pair with the one dense
+    row, and the candidate's speedup names it."""
     rows = [_row(arm="dense", selector=None, gamma=None, reads=None, tpot_ms=12.0,
                  kv_cache_dtype="fp8"),
             _row(tpot_ms=6.0, kv_cache_dtype="fp8"),
