@@ -85,6 +85,7 @@ PAPER_FIXED_FRACTIONS = {
 MOIRA_KERNELS = {
     "kernel_moira_estimate": "estimate",
     "kernel_moira_select": "select",
+    "kernel_moira_refine": "refine",
     "kernel_moira_attend": "attend",
     "kernel_moira_merge": "merge",
     "kernel_moira_write_summaries": "summaries",
@@ -242,6 +243,80 @@ def summarize_kernels(events: list[tuple], steps: float) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     out["top_kernels_ms"] = {n[:120]: v / 1e3 / steps for n, v in top}
     return out
+
+
+#: Stages whose bytes per layer follow from the shape: Estimate reads every page's
+#: summary, Attend the kept pages' keys and values, FA3 every page's.
+BYTE_STAGES = ("estimate", "attend", "fa3")
+
+
+def stage_rates(breakdown: dict, geometry: dict, context: int, batch: int,
+                reads: float | None, copy_gbps: float | None) -> dict:
+    """Per-layer time of each stage of one profiled window (µs), and for the stages
+    whose bytes follow from the shape, their bytes per layer, GB/s and that rate as a
+    share of the device copy rate measured in the same run. ``geometry``: num_layers,
+    num_kv_heads, head_size, kv_element_bytes, summary_page_bytes (one page, all KV
+    heads). Refine reads the keys of the pages it refines, which the profile does not
+    count, so it gets its time only."""  # fmt: skip
+    layers = geometry["num_layers"]
+    pages = batch * math.ceil(context / 64)
+    page_kv_bytes = 64 * geometry["num_kv_heads"] * geometry["head_size"] * 2 * \
+        geometry["kv_element_bytes"]  # fmt: skip
+    stage_bytes = {
+        "estimate": pages * geometry["summary_page_bytes"],
+        "attend": (reads or 0.0) * pages * page_kv_bytes,
+        "fa3": pages * page_kv_bytes,
+    }
+    out: dict = {"us_per_layer": {}, "bytes_per_layer": {}, "gbps": {}, "of_copy_rate": {}}
+    for key, ms in breakdown.items():
+        if not key.endswith("_ms") or not isinstance(ms, (int, float)):
+            continue
+        stage = key[: -len("_ms")]
+        if stage not in set(MOIRA_KERNELS.values()) | {"fa3"}:
+            continue
+        us = 1e3 * ms / layers
+        out["us_per_layer"][stage] = us
+        if stage in BYTE_STAGES and us > 0 and stage_bytes[stage] > 0:
+            out["bytes_per_layer"][stage] = stage_bytes[stage]
+            out["gbps"][stage] = stage_bytes[stage] / us / 1e3
+            if copy_gbps:
+                out["of_copy_rate"][stage] = out["gbps"][stage] / copy_gbps
+    out["copy_gbps"] = copy_gbps
+    return out
+
+
+def model_geometry(cfg: dict, kv_cache_dtype: str, backend: str) -> dict:
+    """What stage_rates needs from the model's config.json and the engine's options."""
+    heads = int(cfg["num_attention_heads"])
+    head_size = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads", heads))
+    summary_page_bytes = 0
+    if backend in MOIRA_BACKENDS:
+        moira = moira_module(backend)
+        config = moira.moira_config_from_env()
+        dtype, rows = moira.summary_storage(config.summary_slots, config.summary_dtype)
+        summary_page_bytes = kv_heads * rows * head_size * dtype.itemsize
+    return {"num_layers": int(cfg["num_hidden_layers"]), "num_kv_heads": kv_heads,
+            "head_size": head_size, "kv_element_bytes": 1 if kv_cache_dtype == "fp8" else 2,
+            "summary_page_bytes": summary_page_bytes}  # fmt: skip
+
+
+def device_copy_gbps(torch, nbytes: int = 1 << 28, repeats: int = 20) -> float:
+    """Device-to-device copy rate in GB/s, bytes read plus bytes written: the
+    bandwidth a memory-bound stage can reach on this GPU, measured in this run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds / 1e9
 
 
 TPOT_ROW_KEYS = ("model", "batch", "context", "arm", "selector", "gamma", "reads", "tpot_ms",
@@ -656,6 +731,9 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
                      "kernel_events": len(events)}  # fmt: skip
                 b.update(interval_stats(stamps[i]))
                 b.update(summarize_kernels(events, steps))
+                b["reads"] = selector.reads() if w["arm"] == "moira" else None
+                b["stages"] = stage_rates(b, ctx["geometry"], context, batch, b["reads"],
+                                          ctx.get("copy_gbps"))  # fmt: skip
                 if not events:
                     b["error"] = "profiler recorded no CUDA kernels"
             except Exception as exc:
@@ -895,6 +973,10 @@ def main() -> int:
         record["wall_s"] = round(time.time() - t_start, 1)
         out.write_text(json.dumps(record, indent=1) + "\n")
 
+    if a.breakdown:
+        # Before the engine takes the GPU's memory; the stage rates are read against it.
+        record["copy_gbps"] = device_copy_gbps(torch)
+        print(f"device copy rate: {record['copy_gbps']:.0f} GB/s", flush=True)
     write()
     t0 = time.time()
     llm = LLM(**kw)
@@ -920,7 +1002,9 @@ def main() -> int:
            **engine_fields(record["moira_config"], a.backend),
            "vocab": int(cfg["vocab_size"]), "num_layers":
            int(cfg["num_hidden_layers"]), "kv_capacity_tokens": nblocks * 64,
-           "max_model_len": max_len, "breakdown": record["breakdown"]}  # fmt: skip
+           "max_model_len": max_len, "breakdown": record["breakdown"],
+           "copy_gbps": record.get("copy_gbps"),
+           "geometry": model_geometry(cfg, a.kv_cache_dtype, a.backend)}  # fmt: skip
     write()
 
     def emit(row):

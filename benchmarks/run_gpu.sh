@@ -64,15 +64,15 @@ Steps (NAME[:ARG]):
                        the first three); needs --acc-prompts
                        and --acc-model
   tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
-                       --acc-prompts), coverage rule at gamma 0.98: FLASH_ATTN, then MOIRA
-                       as configured (the default when no MOIRA_* is set), with
-                       MOIRA_REFINE=wide (the accuracy mode) and with MOIRA_ESTIMATOR=mvar
-                       (the paper's estimator), then --merge into tpot_real.json (SHAPES
+                       --acc-prompts), coverage rule at gamma 0.98: FLASH_ATTN, then one
+                       MOIRA engine per --tpot-arms entry, then --merge into
+                       tpot_real.json; each batched shape adds a profiled window per
+                       engine (stage time per layer, rate against the copy rate; SHAPES
                        default 31744x16,16384x32,8192x64,31744x1)
   serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
-                       (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
-                       1,16,32), into serving_real.json
+                       (this script's MOIRA_*, MOIRA_GAMMA default 0.98) arms, two waves
+                       per concurrency (CONC default 1,16,32), into serving_real.json
   plugin-check[:SHAPES]
                        plugin mode on stock vLLM: the bundle unpacked again into PREFIX-stock
                        (no patch), this package pip-installed beside it, then
@@ -81,7 +81,8 @@ Steps (NAME[:ARG]):
                        with FLASH_ATTN, into plugin_gamma1.json and patched_gamma1.json;
                        then bench_tpot.py on the real text at gamma 0.98 with FLASH_ATTN,
                        MOIRA and CUSTOM, into tpot_plugin.json (SHAPES default
-                       31744x16,16384x32,8192x64,31744x1)
+                       31744x16,16384x32,8192x64,31744x1; FLASH_ATTN and MOIRA are taken
+                       from an earlier tpot-real step of the run on the same shapes)
 
 Options:
   --out DIR            output directory (required; created)
@@ -96,6 +97,10 @@ Options:
   --acc-prompts FILE   accuracy prompts (run_accuracy_vllm export; default
                        .stage/accuracy/prompts.json); also the text of tpot-real and
                        serving-real
+  --tpot-arms LIST     tpot-real's MOIRA engines, space-separated (default "moira wide
+                       mvar"): moira (as configured: the default when no MOIRA_* is
+                       set), wide / off (that MOIRA_REFINE), mvar (MOIRA_ESTIMATOR=mvar),
+                       int4 / int8 (that MOIRA_SUMMARY_DTYPE)
   --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py or
                        scripts/gpu_carry_model.py assemble; default .stage/accuracy/model);
                        also the model of tpot-real and serving-real
@@ -118,6 +123,7 @@ STEP_TIMEOUT=0
 KV_DTYPE="auto"
 ACC_PROMPTS=".stage/accuracy/prompts.json"
 ACC_MODEL=".stage/accuracy/model"
+TPOT_ARMS="moira wide mvar"
 STEPS=()
 NEED_REAL_MODEL=0
 
@@ -139,6 +145,7 @@ while [[ $# -gt 0 ]]; do
         --kv-cache-dtype) need_value "$@"; KV_DTYPE=$2; shift ;;
         --acc-prompts) need_value "$@"; ACC_PROMPTS=$2; shift ;;
         --acc-model) need_value "$@"; ACC_MODEL=$2; shift ;;
+        --tpot-arms) need_value "$@"; TPOT_ARMS=$2; shift ;;
         -h | --help) usage; exit 0 ;;
         -*) echo "run_gpu.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) STEPS+=("$1") ;;
@@ -158,6 +165,13 @@ esac
 SUFFIX=""
 [[ "${KV_DTYPE}" == fp8 ]] && SUFFIX="_fp8"
 KV_ARGS=(--kv-cache-dtype "${KV_DTYPE}")
+for arm in ${TPOT_ARMS}; do
+    case "${arm}" in
+        moira | wide | off | mvar | int4 | int8) ;;
+        *) echo "run_gpu.sh: --tpot-arms takes moira, wide, off, mvar, int4 and int8," \
+            "not '${arm}'" >&2; exit 2 ;;
+    esac
+done
 if [[ ${#STEPS[@]} -eq 0 ]]; then
     echo "run_gpu.sh: no step named (see --help)" >&2
     exit 2
@@ -260,7 +274,8 @@ fi
 log "built at ${COMMIT} (dirty: ${DIRTY})"
 
 # bench_tpot.py engines of one step: FLASH_ATTN, then MOIRA once per mode ("moira": the
-# environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE; "mvar": MOIRA_ESTIMATOR=mvar),
+# environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE; "mvar": MOIRA_ESTIMATOR=mvar;
+# "int4" / "int8": that MOIRA_SUMMARY_DTYPE),
 # each into OUT/NAME_MODE.json,
 # then --merge into OUT/NAME.json once the dense record and a MOIRA one exist.
 # tpot_engines NAME "MODES" "MOIRA-ONLY ARGS" BENCH_TPOT_ARGS...
@@ -278,6 +293,7 @@ tpot_engines() {
             case ${mode} in
                 moira) env_args=() ;;
                 mvar) env_args=(MOIRA_ESTIMATOR=mvar) ;;
+                int4 | int8) env_args=(MOIRA_SUMMARY_DTYPE="${mode}") ;;
                 *) env_args=(MOIRA_REFINE="${mode}") ;;
             esac
             run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
@@ -401,10 +417,15 @@ for step in "${STEPS[@]}"; do
                 ${engines[@]+--engines "${engines[@]}"} --out-dir "${OUT}/accuracy_suite${SUFFIX}"
             ;;
         tpot-real)
+            real_shapes="${arg:-31744x16,16384x32,8192x64,31744x1}"
+            # Each batched shape also gets one profiled window per engine: the stages'
+            # time per layer and rate against the copy rate (bench_tpot --breakdown).
+            batched=$(tr "," "\n" <<<"${real_shapes}" | grep -v 'x1$' | paste -sd, -)
             # --gen 32: a real-weight engine per arm leaves less of a call for steps.
-            tpot_engines "tpot_real${SUFFIX}" "moira wide mvar" "--gammas 0.98 --no-fixed" \
+            tpot_engines "tpot_real${SUFFIX}" "${TPOT_ARMS}" "--gammas 0.98 --no-fixed" \
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
-                --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32
+                --shapes "${real_shapes}" --gen 32 ${batched:+--breakdown "${batched}"}
+            REAL_SHAPES_RUN=${real_shapes}
             ;;
         plugin-check)
             stock="${PREFIX}-stock"
@@ -431,10 +452,18 @@ for step in "${STEPS[@]}"; do
             done
             tpot=(python benchmarks/bench_tpot.py --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}"
                 --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32)
-            run plugin_tpot_dense "${tpot[@]}" --backend FLASH_ATTN \
-                --out "${OUT}/tpot_plugin_dense.json"
-            run plugin_tpot_patched "${tpot[@]}" --backend MOIRA --gammas 0.98 --no-fixed \
-                --out "${OUT}/tpot_plugin_patched.json"
+            # The dense and patched engines of a tpot-real step of this run, on the same
+            # shapes, text and environment, are the plugin's baseline: not run twice.
+            if [[ -f "${OUT}/tpot_real_dense.json" && -f "${OUT}/tpot_real_moira.json" \
+                && "${arg:-31744x16,16384x32,8192x64,31744x1}" == "${REAL_SHAPES_RUN:-}" ]]; then
+                cp "${OUT}/tpot_real_dense.json" "${OUT}/tpot_plugin_dense.json"
+                cp "${OUT}/tpot_real_moira.json" "${OUT}/tpot_plugin_patched.json"
+            else
+                run plugin_tpot_dense "${tpot[@]}" --backend FLASH_ATTN \
+                    --out "${OUT}/tpot_plugin_dense.json"
+                run plugin_tpot_patched "${tpot[@]}" --backend MOIRA --gammas 0.98 \
+                    --no-fixed --out "${OUT}/tpot_plugin_patched.json"
+            fi
             run plugin_tpot_custom bash -c "source '${stock}/env.sh' && \
                 PYTHONPATH='${stock}/plugin':\"\${PYTHONPATH}\" ${tpot[*]} --backend CUSTOM \
                 --gammas 0.98 --no-fixed --out '${OUT}/tpot_plugin_custom.json'"
@@ -454,9 +483,13 @@ for step in "${STEPS[@]}"; do
                 --tokenizer "${ACC_MODEL}" || continue
             # Two real-weight server starts (~150 s each) and 1,024-token answers at three
             # concurrencies: the default 570 s budget is too short.
+            # The moira server runs as this script is configured (its MOIRA_*), at γ 0.98
+            # unless MOIRA_GAMMA says otherwise.
+            serve_env=$(env | grep '^MOIRA_' | grep -v '^MOIRA_GAMMA=' | sort | paste -sd, -)
+            serve_env="MOIRA_GAMMA=${MOIRA_GAMMA:-0.98}${serve_env:+,${serve_env}}"
             run serving_real python benchmarks/bench_serving.py --model "${ACC_MODEL}" \
                 --tokenizer "${ACC_MODEL}" --dataset "${dataset}" \
-                --concurrency "${arg:-1,16,32}" --waves 2 --moira-env MOIRA_GAMMA=0.98 \
+                --concurrency "${arg:-1,16,32}" --waves 2 --moira-env "${serve_env}" \
                 --detailed --budget-s 900 --log-dir "${OUT}" --out "${OUT}/serving_real.json"
             ;;
     esac

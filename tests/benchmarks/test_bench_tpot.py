@@ -71,6 +71,36 @@ def test_classify_and_summarize_kernels():
     assert s["rest_ms"] == pytest.approx(70 * 64 / 1e3 / 2)
 
 
+def test_stage_rates_per_layer_bytes_and_share_of_copy_rate():
+    assert bt.classify_kernel("kernel_moira_refine_0d1d") == "refine"
+    # 28 layers, 2 KV heads, D 128, bf16 KV; 16 rows of 8,192 tokens = 2,048 pages.
+    geometry = {"num_layers": 28, "num_kv_heads": 2, "head_size": 128, "kv_element_bytes": 2,
+                "summary_page_bytes": 2 * 11 * 128}  # fmt: skip
+    breakdown = {"estimate_ms": 0.56, "attend_ms": 2.8, "refine_ms": 0.28, "gemm_ms": 3.0,
+                 "kernels_total_ms": 6.64, "estimate_select_ms": 0.7}  # fmt: skip
+    r = bt.stage_rates(breakdown, geometry, context=8192, batch=16, reads=0.5, copy_gbps=3000.0)
+    assert r["us_per_layer"] == pytest.approx({"estimate": 20.0, "attend": 100.0, "refine": 10.0})
+    assert "gemm" not in r["us_per_layer"]
+    pages = 16 * 128
+    assert r["bytes_per_layer"]["estimate"] == pages * 2 * 11 * 128
+    kv = 0.5 * pages * 64 * 2 * 128 * 2 * 2
+    assert r["bytes_per_layer"]["attend"] == kv
+    assert r["gbps"]["attend"] == pytest.approx(kv / 100.0 / 1e3)
+    assert r["of_copy_rate"]["attend"] == pytest.approx(kv / 100.0 / 1e3 / 3000.0)
+    assert "refine" not in r["gbps"]  # its bytes are not known from the shape
+    dense = bt.stage_rates({"fa3_ms": 2.8}, geometry, 8192, 16, None, None)
+    assert dense["bytes_per_layer"]["fa3"] == 2 * kv and dense["of_copy_rate"] == {}
+
+
+def test_model_geometry_of_a_dense_engine():
+    cfg = {"num_attention_heads": 12, "hidden_size": 1536, "num_key_value_heads": 2,
+           "num_hidden_layers": 28}  # fmt: skip
+    assert bt.model_geometry(cfg, "fp8", "FLASH_ATTN") == {
+        "num_layers": 28, "num_kv_heads": 2, "head_size": 128, "kv_element_bytes": 1,
+        "summary_page_bytes": 0,
+    }  # fmt: skip
+
+
 def test_busy_time_counts_overlapping_kernels_once():
     assert bt.busy_us([(0.0, 10.0), (5.0, 12.0), (20.0, 25.0), (21.0, 22.0)]) == 17.0
     assert bt.busy_us([]) == 0.0
