@@ -250,8 +250,14 @@ def summarize_kernels(events: list[tuple], steps: float) -> dict:
 BYTE_STAGES = ("estimate", "attend", "fa3")
 
 
-def stage_rates(breakdown: dict, geometry: dict, context: int, batch: int,
-                reads: float | None, copy_gbps: float | None) -> dict:
+def stage_rates(
+    breakdown: dict,
+    geometry: dict,
+    context: int,
+    batch: int,
+    reads: float | None,
+    copy_gbps: float | None,
+) -> dict:
     """Per-layer time of each stage of one profiled window (µs), and for the stages
     whose bytes follow from the shape, their bytes per layer, GB/s and that rate as a
     share of the device copy rate measured in the same run. ``geometry``: num_layers,

@@ -38,23 +38,45 @@ def generate(a: argparse.Namespace) -> None:
     if a.backend == "CUSTOM":
         kw["logits_processors"] = [REQUEST_GUARD]
     llm = LLM(**kw)
-    sp = SamplingParams(max_tokens=a.gen, temperature=0, ignore_eos=True, detokenize=False)
+    # The two most likely tokens of every step: where two engines part, the margin
+    # between them tells a near tie (bf16 rounding decides it) from a real difference.
+    sp = SamplingParams(max_tokens=a.gen, temperature=0, ignore_eos=True, detokenize=False,
+                        logprobs=2)  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": d["prompt_token_ids"]} for d in docs], sp)
+    result = []
+    for o in outs:
+        steps = o.outputs[0].logprobs or []
+        top2 = [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])[:2]
+                for step in steps]  # fmt: skip
+        result.append({"tokens": list(o.outputs[0].token_ids), "top2": top2})
     with open(a.out, "w") as f:
-        json.dump([list(o.outputs[0].token_ids) for o in outs], f)
+        json.dump(result, f)
 
 
-def load_tokens(path: str) -> list[list[int]]:
+def load_outputs(path: str) -> list[dict]:
+    """One engine's outputs: [{"tokens", "top2"}], or bare token lists."""
     with open(path) as f:
-        return json.load(f)
+        data = json.load(f)
+    return [x if isinstance(x, dict) else {"tokens": x, "top2": []} for x in data]
 
 
-def compare(moira: list[list[int]], dense: list[list[int]]) -> list[dict]:
+def margin_at(output: dict, step: int | None) -> float | None:
+    """Log-probability gap between the two most likely tokens at ``step``."""
+    if step is None or step >= len(output["top2"]) or len(output["top2"][step]) < 2:
+        return None
+    (_, first), (_, second) = output["top2"][step][:2]
+    return first - second
+
+
+def compare(moira: list[dict], dense: list[dict]) -> list[dict]:
     rows = []
     for i, (x, y) in enumerate(zip(moira, dense, strict=True)):
-        diverged = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
-        rows.append({"prompt": i, "tokens": len(x), "identical": x == y,
-                     "first_divergence": diverged})  # fmt: skip
+        a, b = x["tokens"], y["tokens"]
+        diverged = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
+        rows.append({"prompt": i, "tokens": len(a), "identical": a == b,
+                     "first_divergence": diverged,
+                     "dense_margin_at_divergence": margin_at(y, diverged),
+                     "moira_margin_at_divergence": margin_at(x, diverged)})  # fmt: skip
     return rows
 
 
@@ -71,9 +93,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.compare:
-        moira, dense = (load_tokens(p) for p in a.compare)
-        record = {"check": "plugin_gamma1_vs_fa3_greedy", "rows": compare(moira, dense),
-                  "moira_tokens": moira, "dense_tokens": dense}  # fmt: skip
+        moira, dense = (load_outputs(p) for p in a.compare)
+        record = {"check": "gamma1_vs_fa3_greedy", "rows": compare(moira, dense),
+                  "moira_tokens": [x["tokens"] for x in moira],
+                  "dense_tokens": [x["tokens"] for x in dense]}  # fmt: skip
         with open(a.out, "w") as f:
             json.dump(record, f, indent=1)
         return
