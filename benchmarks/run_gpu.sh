@@ -69,6 +69,10 @@ Steps (NAME[:ARG]):
                        MOIRA_REFINE=wide (the accuracy mode) and with MOIRA_ESTIMATOR=mvar
                        (the paper's estimator), then --merge into tpot_real.json (SHAPES
                        default 31744x16,16384x32,8192x64,31744x1)
+  audit[:SHAPES]       the captured-mass audit's cost: bench_tpot.py on the real model and
+                       text (as tpot-real), FLASH_ATTN, then MOIRA with MOIRA_AUDIT_EVERY=0
+                       (off) and with the default period, merged into audit_tpot.json
+                       (SHAPES default 31744x16,16384x32,31744x1)
   serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (MOIRA_GAMMA=0.98) arms, two waves per concurrency (CONC default
@@ -167,7 +171,7 @@ for step in "${STEPS[@]}"; do
         gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
-        accuracy-suite | tpot-real | serving-real | plugin-check) NEED_REAL_MODEL=1 ;;
+        accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -278,6 +282,7 @@ tpot_engines() {
             case ${mode} in
                 moira) env_args=() ;;
                 mvar) env_args=(MOIRA_ESTIMATOR=mvar) ;;
+                auditoff) env_args=(MOIRA_AUDIT_EVERY=0) ;;
                 *) env_args=(MOIRA_REFINE="${mode}") ;;
             esac
             run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
@@ -405,6 +410,13 @@ for step in "${STEPS[@]}"; do
             tpot_engines "tpot_real${SUFFIX}" "moira wide mvar" "--gammas 0.98 --no-fixed" \
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${arg:-31744x16,16384x32,8192x64,31744x1}" --gen 32
+            ;;
+        audit)
+            # The same engines but for the audit: off, then the default (MOIRA_* unset);
+            # rows name it (audit_every), so the merge keeps both beside dense.
+            tpot_engines "audit_tpot${SUFFIX}" "auditoff moira" "--gammas 0.98 --no-fixed" \
+                --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
+                --shapes "${arg:-31744x16,16384x32,31744x1}" --gen 32
             ;;
         plugin-check)
             stock="${PREFIX}-stock"

@@ -483,7 +483,11 @@ def attend_pages(
 
 
 def captured_mass(
-    query: torch.Tensor, keys: torch.Tensor, head: int, pages: torch.Tensor, seq_len: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    head: int,
+    pages: torch.Tensor,
+    seq_len: int,
     scale: float,
 ) -> float:
     """The audit's quantity for one (row, KV head) list: the exact softmax of the
