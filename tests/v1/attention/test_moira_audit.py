@@ -95,8 +95,9 @@ def _hand_lists(table, seq_lens, pages):
 
 
 def _run_audit(ws, query, kv, table, seq, page_list, list_lengths):
-    ws.audit.run(query, kv, table, seq, page_list, list_lengths, ws.selector_params,
-                 ws.row_gamma, SCALE, False, ws.selector_params, {})  # fmt: skip
+    ws.page_list[: page_list.shape[0]].copy_(page_list)  # hand-made lists in the workspace
+    ws.list_lengths[: list_lengths.shape[0]].copy_(list_lengths)
+    ws.audit.run(query, kv, table, seq, ws, SCALE, False, ws.selector_params, {})
 
 
 def test_below_gamma_compares_each_list_with_its_rows_gamma():

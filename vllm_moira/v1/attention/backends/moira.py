@@ -70,9 +70,9 @@ from ...worker.moira_summaries import (
 from ...worker.moira_summaries import (
     summary_storage as summary_storage,  # re-exported: the kernel API names it
 )
+from .moira_audit import MoiraAudit, make_stats_counters, switch_audit  # noqa: F401
 
 # moira_config's public names are re-exported: callers use moira.MoiraConfig etc.
-from .moira_audit import MoiraAudit, audit_counter_count, captured_mass_buckets
 from .moira_config import (  # noqa: F401
     _REFUSED_FEATURES,
     _SELECT_MAX_TILE_PAGES,
@@ -2036,20 +2036,13 @@ class MoiraWorkspace:
         #: Where each list of the step starts
         #: when the lists are laid end to end (Attend writes, Merge reads).
         self.list_start = torch.zeros(max_num_seqs * num_kv_heads, dtype=i32, device=device)
-        #: int64 counters the host reads back in one copy (ReadStatsPoller):
-        #: [0:2] read_stats, then the captured-mass audit's (moira_audit.py).
-        audit_edges = captured_mass_buckets(config.gamma) if config.audit_every > 0 else ()
-        num_audit = audit_counter_count(len(audit_edges)) if audit_edges else 0
-        self.stats_counters = torch.zeros(2 + num_audit, dtype=torch.int64, device=device)
+        #: int64 counters read back in one copy: [0:2] read_stats, then the
+        #: audit's; the audit (None when audit_every is 0: no launches at all).
+        self.stats_counters, self.audit = make_stats_counters(config, max_pages, group_size,
+                                                              device, self.launch)  # fmt: skip
         #: Pages kept and pages in the rows, summed over layers and steps
         #: (Select adds to it on the device; zero it to start a window).
         self.read_stats = self.stats_counters[:2]
-        #: The captured-mass audit (config.audit_every > 0): one launch per
-        #: layer after Merge. None: no audit launches at all.
-        self.audit: MoiraAudit | None = None
-        if audit_edges:
-            self.audit = MoiraAudit(config.audit_every, config.gamma, max_pages, group_size,
-                                    self.stats_counters[2:], device, self.launch)  # fmt: skip
         #: Pages of the steps that ran FA3 (dense_steps="fa3"), every one
         #: read; counted on the host. read_counts() adds them to read_stats.
         self.dense_read_pages = 0
@@ -2100,15 +2093,8 @@ class MoiraWorkspace:
                 "refine='wide' on a workspace built with selector='fixed' (no refine "
                 "launches were captured); build it with the coverage selector"
             )
-        if config.audit_every > 0 and self.audit is None:
-            raise ValueError(
-                "Moira: set_selector cannot turn the captured-mass audit on (audit_every="
-                f"{config.audit_every}) on a workspace built with it off (no audit launches "
-                "were captured); build it with audit_every > 0"
-            )
+        switch_audit(self.audit, config)  # refuses before anything changes
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
-        if self.audit is not None:
-            self.audit.set_every(config.audit_every)  # 0 pauses the captured launches
         self.config = config
 
     def read_counts(self) -> tuple[int, int]:
@@ -2261,12 +2247,9 @@ def moira_decode(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    if workspace.audit is not None and query.shape[0] > 0:
-        workspace.audit.run(
-            query, kv_cache, block_table, seq_lens, workspace.page_list, workspace.list_lengths,
-            workspace.selector_params, workspace.row_gamma, scale, kv_fp8, k_scale_arg,
-            _dependent_launch(workspace.launch),
-        )  # fmt: skip
+    if workspace.audit is not None and query.shape[0] > 0:  # the captured-mass audit
+        workspace.audit.run(query, kv_cache, block_table, seq_lens, workspace, scale, kv_fp8,
+                            k_scale_arg, _dependent_launch(workspace.launch))  # fmt: skip
 
 
 # ==========================================================================
@@ -2395,12 +2378,10 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
 
         audit = self.workspace.audit
         if audit is not None:
-            audit.num_layers = max(len(layer_names), 1)  # audit launches per step
-        # Page-read fraction and the audit's counters for logs and /metrics,
-        # polled in one copy without a host sync.
-        self.read_stats_poller = ReadStatsPoller(
-            self.workspace.stats_counters, audit_edges=None if audit is None else audit.edges
-        )
+            audit.num_layers = max(len(layer_names), 1)  # its launches per step
+        # Read fraction and audit counts for logs and /metrics: one copy, no host sync.
+        self.read_stats_poller = ReadStatsPoller(self.workspace.stats_counters,
+                                                 audit_edges=audit and audit.edges)  # fmt: skip
         self._capturing = False
         self._builds = 0
 

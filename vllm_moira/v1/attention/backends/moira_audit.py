@@ -280,6 +280,35 @@ def kernel_moira_audit(
         tl.store(state_ptr, launch_no + 1)
 
 
+def make_stats_counters(
+    config: Any, max_pages: int, group_size: int, device: torch.device | str,
+    launch: Mapping[str, Mapping[str, Any]] | None,
+) -> tuple[torch.Tensor, MoiraAudit | None]:  # fmt: skip
+    """The workspace's int64 counters (two read counts, then the audit's) and its
+    audit: None when ``config.audit_every`` is 0 (no audit launches at all)."""
+    if config.audit_every <= 0:
+        return torch.zeros(2, dtype=torch.int64, device=device), None
+    edges = captured_mass_buckets(config.gamma)
+    counters = torch.zeros(2 + audit_counter_count(len(edges)), dtype=torch.int64, device=device)
+    audit = MoiraAudit(config.audit_every, config.gamma, max_pages, group_size, counters[2:],
+                       device, launch)  # fmt: skip
+    return counters, audit
+
+
+def switch_audit(audit: MoiraAudit | None, config: Any) -> None:
+    """set_selector's part: a new period (0 pauses the captured launches); turning
+    the audit on where no launches were captured is refused."""
+    if audit is None:
+        if config.audit_every > 0:
+            raise ValueError(
+                "Moira: set_selector cannot turn the captured-mass audit on (audit_every="
+                f"{config.audit_every}) on a workspace built with it off (no audit launches "
+                "were captured); build it with audit_every > 0"
+            )
+        return
+    audit.set_every(config.audit_every)
+
+
 class MoiraAudit:
     """The audit's buffers and launch for one workspace, allocated once, before
     CUDA-graph capture. ``counters`` is a view of the workspace's int64 counters
@@ -331,12 +360,14 @@ class MoiraAudit:
 
     def run(
         self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-        seq_lens: torch.Tensor, page_list: torch.Tensor, list_lengths: torch.Tensor,
-        selector_params: torch.Tensor, row_gamma: torch.Tensor, scale: float,
-        kv_fp8: bool, k_scale_arg: torch.Tensor, dependent_launch: Mapping[str, Any],
+        seq_lens: torch.Tensor, workspace: Any, scale: float, kv_fp8: bool,
+        k_scale_arg: torch.Tensor, dependent_launch: Mapping[str, Any],
     ) -> None:  # fmt: skip
-        """One layer's audit launch (after Merge). Grid and arguments depend only
+        """One layer's audit launch (after Merge) over ``workspace``'s lists,
+        selector parameters and per-row gamma. Grid and arguments depend only
         on the step's rows and static shapes: it replays in the step's graph."""
+        page_list, list_lengths = workspace.page_list, workspace.list_lengths
+        selector_params, row_gamma = workspace.selector_params, workspace.row_gamma
         num_rows, num_q_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[1]
         group_size = num_q_heads // num_kv_heads
