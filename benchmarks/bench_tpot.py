@@ -364,7 +364,7 @@ def moira_module(backend: str):
 
 
 #: MoiraConfig fields fixed per engine that every MOIRA row names.
-ENGINE_FIELDS = ("estimator", "summary_dtype", "refine", "mode")
+ENGINE_FIELDS = ("estimator", "summary_dtype", "refine", "audit_every", "mode")
 
 
 def engine_fields(moira_config: dict | None, backend: str = "MOIRA") -> dict:
@@ -440,6 +440,8 @@ def speedup_rows(rows: list[dict]) -> list[dict]:
                 "speedup": d["tpot_ms"] / r["tpot_ms"],
                 **({"attend_launch": r["attend_launch"]} if r.get("attend_launch") else {}),
                 **{k: r[k] for k in (*ENGINE_FIELDS, "config") if r.get(k)},
+                # 0 (the audit off) is a setting too.
+                **({"audit_every": r["audit_every"]} if "audit_every" in r else {}),
             }  # fmt: skip
             d_bf16 = dense.get(key(r, "auto"))
             if row["kv_cache_dtype"] != "auto" and d_bf16:
@@ -821,9 +823,11 @@ def base_row(ctx, context, batch, arm) -> dict:
         "selector": arm["selector"], "gamma": arm["gamma"],
         "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
         "p10_ms": None, "p90_ms": None,
-        # The engine's estimator, summary dtype and refinement: MOIRA engines that differ
-        # only in them merge apart, and the rows of the shipped defaults say "default".
-        **({k: ctx[k] for k in ENGINE_FIELDS if ctx.get(k)} if arm["arm"] == "moira" else {}),
+        # The engine's estimator, summary dtype, refinement and audit period (0 = off):
+        # MOIRA engines that differ only in them merge apart, and the rows of the
+        # shipped defaults say "default".
+        **({k: ctx[k] for k in ENGINE_FIELDS if ctx.get(k) is not None}
+           if arm["arm"] == "moira" else {}),
         **({"config": "default"} if arm["arm"] == "moira" and ctx.get("is_default")
            and arm["selector"] == "coverage" and arm["gamma"] == ctx.get("default_gamma")
            else {}),

@@ -69,6 +69,10 @@ Steps (NAME[:ARG]):
                        tpot_real.json; each batched shape adds a profiled window per
                        engine (stage time per layer, rate against the copy rate; SHAPES
                        default 31744x16,16384x32,8192x64,31744x1)
+  audit[:SHAPES]       the captured-mass audit's cost: bench_tpot.py on the real model and
+                       text (as tpot-real), FLASH_ATTN, then MOIRA with MOIRA_AUDIT_EVERY=0
+                       (off) and with the default period, merged into audit_tpot.json
+                       (SHAPES default 31744x16,16384x32,31744x1)
   serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (this script's MOIRA_*, MOIRA_GAMMA default 0.98) arms, two waves
@@ -100,7 +104,8 @@ Options:
   --tpot-arms LIST     tpot-real's MOIRA engines, space-separated (default "moira wide
                        mvar"): moira (as configured: the default when no MOIRA_* is
                        set), wide / off (that MOIRA_REFINE), mvar (MOIRA_ESTIMATOR=mvar),
-                       int4 / int8 (that MOIRA_SUMMARY_DTYPE)
+                       int4 / int8 (that MOIRA_SUMMARY_DTYPE), auditoff
+                       (MOIRA_AUDIT_EVERY=0)
   --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py or
                        scripts/gpu_carry_model.py assemble; default .stage/accuracy/model);
                        also the model of tpot-real and serving-real
@@ -167,8 +172,8 @@ SUFFIX=""
 KV_ARGS=(--kv-cache-dtype "${KV_DTYPE}")
 for arm in ${TPOT_ARMS}; do
     case "${arm}" in
-        moira | wide | off | mvar | int4 | int8) ;;
-        *) echo "run_gpu.sh: --tpot-arms takes moira, wide, off, mvar, int4 and int8," \
+        moira | wide | off | mvar | int4 | int8 | auditoff) ;;
+        *) echo "run_gpu.sh: --tpot-arms takes moira, wide, off, mvar, int4, int8 and auditoff," \
             "not '${arm}'" >&2; exit 2 ;;
     esac
 done
@@ -181,7 +186,7 @@ for step in "${STEPS[@]}"; do
         gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
-        accuracy-suite | tpot-real | serving-real | plugin-check) NEED_REAL_MODEL=1 ;;
+        accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -294,6 +299,7 @@ tpot_engines() {
                 moira) env_args=() ;;
                 mvar) env_args=(MOIRA_ESTIMATOR=mvar) ;;
                 int4 | int8) env_args=(MOIRA_SUMMARY_DTYPE="${mode}") ;;
+                auditoff) env_args=(MOIRA_AUDIT_EVERY=0) ;;
                 *) env_args=(MOIRA_REFINE="${mode}") ;;
             esac
             run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
@@ -426,6 +432,13 @@ for step in "${STEPS[@]}"; do
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${real_shapes}" --gen 32 ${batched:+--breakdown "${batched}"}
             REAL_SHAPES_RUN=${real_shapes}
+            ;;
+        audit)
+            # The same engines but for the audit: off, then the default (MOIRA_* unset);
+            # rows name it (audit_every), so the merge keeps both beside dense.
+            tpot_engines "audit_tpot${SUFFIX}" "auditoff moira" "--gammas 0.98 --no-fixed" \
+                --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
+                --shapes "${arg:-31744x16,16384x32,31744x1}" --gen 32
             ;;
         plugin-check)
             stock="${PREFIX}-stock"

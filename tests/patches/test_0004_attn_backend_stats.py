@@ -160,3 +160,69 @@ def test_moira_metrics_registers_as_provider(abs_mod):
         assert abs_mod.collect_attn_backend_stats() is None
     finally:
         mm.reset_page_read_metrics()
+
+
+MASS = "moira_captured_mass"
+BELOW = "moira_captured_mass_below_gamma_total"
+
+
+def _log_line(stat_logger) -> str:
+    import vllm.v1.metrics.loggers as loggers_mod
+
+    messages = []
+    stat_logger.engine_is_idle = False
+    stat_logger._update_stats = lambda: None
+
+    class _Capture:
+        def info(self, fmt, *args):
+            messages.append(fmt % args)
+
+        debug = info
+
+    orig, loggers_mod.logger = loggers_mod.logger, _Capture()
+    try:
+        stat_logger.log()
+    finally:
+        loggers_mod.logger = orig
+    return messages[0]
+
+
+def test_histogram_and_counter_reach_prometheus_and_the_log(vllm_config):
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    prom = PrometheusStatLogger(vllm_config)
+    stat_logger = LoggingStatLogger(vllm_config)
+    labels = {"model_name": vllm_config.model_config.served_model_name, "engine": "0"}
+    for stats in (
+        {MASS: [0.9, 1.0, 0.98, 0.0, 1.0, 3.0], BELOW: 1.0},
+        {MASS: [0.9, 0.0, 0.98, 2.0, 1.0, 4.0], BELOW: 0.0},
+    ):
+        prom.record(SchedulerStats(attn_backend_stats=stats), None)
+        stat_logger.record(SchedulerStats(attn_backend_stats=stats), None)
+
+    def bucket(le):
+        return REGISTRY.get_sample_value(f"vllm:{MASS}_bucket", {**labels, "le": le})
+
+    assert (bucket("0.9"), bucket("0.98"), bucket("1.0"), bucket("+Inf")) == (1, 3, 10, 10)
+    assert REGISTRY.get_sample_value(f"vllm:{MASS}_count", labels) == 10
+    assert REGISTRY.get_sample_value(f"vllm:{BELOW}", labels) == 1
+    line = _log_line(stat_logger)
+    # Summed since the last line: 10 lists, the 10% quantile in the 0.9 bucket.
+    assert "Moira captured mass: p10 <= 0.9, p50 <= 1 (n=10)" in line
+    assert "Moira captured mass below gamma: 1" in line
+    assert "n=" not in _log_line(stat_logger)  # nothing new: no histogram part
+
+
+def test_histogram_stats_survive_the_engine_core_encoding():
+    """SchedulerStats travels from the engine core to the frontend by msgpack,
+    decoded by type: a histogram value (a list) must decode."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    stats = {KEY: 0.5, MASS: [0.9, 1.0, 1.0, 2.0], BELOW: 1.0}
+    outputs = EngineCoreOutputs(scheduler_stats=SchedulerStats(attn_backend_stats=stats))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    assert decoded.scheduler_stats.attn_backend_stats == stats

@@ -151,3 +151,35 @@ def test_poll_does_nothing_while_capturing(mm, monkeypatch):
     monkeypatch.setattr(mm, "_is_capturing", lambda: True)
     poller.poll()
     assert not poller._pending  # no copy was started inside a capture
+
+
+def test_poller_reads_the_audit_counters_in_the_same_copy():
+    import torch
+    from vllm.v1.worker import moira_metrics as mm
+
+    edges = (0.9, 0.98, 1.0)
+    lines: list[str] = []
+    metrics = mm.PageReadMetrics(log_interval_s=0.0, log_fn=lambda fmt, *a: lines.append(fmt % a))
+    counters = torch.zeros(2 + 1 + len(edges), dtype=torch.int64)
+    with pytest.raises(ValueError, match="6 elements"):
+        mm.ReadStatsPoller(counters[:2], metrics, audit_edges=edges)
+    poller = mm.ReadStatsPoller(counters, metrics, audit_edges=edges)
+    poller.poll()
+    counters += torch.tensor([3, 8, 1, 1, 0, 3])  # 4 audited lists, 1 below gamma
+    poller.poll()
+    poller.poll()
+    stats = metrics.take_stats()
+    assert stats == {
+        mm.PAGE_READ_FRACTION_KEY: 3 / 8,
+        mm.CAPTURED_MASS_KEY: [0.9, 1.0, 0.98, 0.0, 1.0, 3.0],
+        mm.CAPTURED_MASS_BELOW_KEY: 1.0,
+    }
+    assert metrics.take_stats() is None
+    assert any(
+        line.startswith("Moira captured mass: p10 <= 0.9, p50 <= 1; 1 of 4 audited lists")
+        for line in lines
+    ), lines
+    counters.zero_()  # a benchmark zeroed the counters: a new baseline, nothing reported
+    poller.poll()
+    poller.poll()
+    assert metrics.take_stats() is None

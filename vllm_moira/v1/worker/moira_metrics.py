@@ -26,6 +26,14 @@ running totals into the fraction of KV pages that decode actually read:
     ``Moira page reads: X%`` from the worker every ``VLLM_LOG_STATS_INTERVAL``
     seconds (vLLM's stats cadence, default 10 s) while decode is running.
 
+The captured-mass audit (moira_audit.py) adds its int64 counters after the
+two read counts in the same device tensor (``MoiraWorkspace.stats_counters``),
+so the same copy brings them back: ``PageReadMetrics.observe_audit`` gets the
+deltas, reported as the histogram ``vllm:moira_captured_mass`` (a list of
+(upper bound, count) pairs in the stats dict) and the counter
+``vllm:moira_captured_mass_below_gamma_total``, or logged by the worker as
+``Moira captured mass: ...`` without patch 0004.
+
 Warmup and CUDA-graph capture also run Select (on dummy one-page rows, all
 kept): the first log interval after startup can include them; the gauge,
 which covers only the last few steps, does not after the first decode step.
@@ -46,6 +54,12 @@ logger = init_logger(__name__)
 #: Key in the attention-backend stats dict (patch 0004); exported as
 #: ``vllm:moira_page_read_fraction``.
 PAGE_READ_FRACTION_KEY = "moira_page_read_fraction"
+#: Histogram of audited lists' captured mass: ``[bound, count, bound, count, ...]``
+#: (counts per bucket, not cumulative), exported as ``vllm:moira_captured_mass``.
+CAPTURED_MASS_KEY = "moira_captured_mass"
+#: Audited lists under their gamma - 0.01 (a counter increment: names ending in
+#: ``_total``), exported as ``vllm:moira_captured_mass_below_gamma_total``.
+CAPTURED_MASS_BELOW_KEY = "moira_captured_mass_below_gamma_total"
 #: In-tree module added by patch 0004.
 ATTN_BACKEND_STATS_MODULE = "vllm.v1.metrics.attn_backend_stats"
 
@@ -90,6 +104,13 @@ class PageReadMetrics:
         self._log_kept = 0
         self._log_total = 0
         self._last_log = clock()
+        # Captured-mass audit: bucket upper bounds, and counts since the last
+        # take_stats() / log line.
+        self._audit_edges: tuple[float, ...] = ()
+        self._stats_buckets: list[int] = []
+        self._stats_below = 0
+        self._log_buckets: list[int] = []
+        self._log_below = 0
         #: Fraction of the last completed poll window (for tests/benchmarks).
         self.last_fraction: float | None = None
         #: Whether the worker-side log is on (off once patch 0004's channel is used).
@@ -105,17 +126,43 @@ class PageReadMetrics:
             self._log_total += total
             self.last_fraction = kept / total
 
-    def take_stats(self) -> dict[str, float] | None:
-        """Attention-backend stats since the previous call (None: nothing new)."""
+    def observe_audit(self, edges: tuple[float, ...], below: int, buckets: list[int]) -> None:
+        """Audited lists since the last poll: ``buckets[i]`` masses in
+        (edges[i - 1], edges[i]]; ``below`` of them under their gamma - 0.01."""
+        if sum(buckets) <= 0 and below <= 0:
+            return
         with self._lock:
-            if self._stats_total <= 0:
-                return None
-            fraction = self._stats_kept / self._stats_total
-            self._stats_kept = self._stats_total = 0
-        return {PAGE_READ_FRACTION_KEY: fraction}
+            if edges != self._audit_edges:  # first audit (workspaces share the server's gamma)
+                self._audit_edges = edges
+                self._stats_buckets = [0] * len(edges)
+                self._log_buckets = [0] * len(edges)
+            for i, count in enumerate(buckets[: len(edges)]):
+                self._stats_buckets[i] += count
+                self._log_buckets[i] += count
+            self._stats_below += below
+            self._log_below += below
+
+    def take_stats(self) -> dict[str, float | list[float]] | None:
+        """Attention-backend stats since the previous call (None: nothing new)."""
+        stats: dict[str, float | list[float]] = {}
+        with self._lock:
+            if self._stats_total > 0:
+                stats[PAGE_READ_FRACTION_KEY] = self._stats_kept / self._stats_total
+                self._stats_kept = self._stats_total = 0
+            if any(self._stats_buckets):
+                stats[CAPTURED_MASS_KEY] = [
+                    float(v)
+                    for bound, count in zip(self._audit_edges, self._stats_buckets)
+                    for v in (bound, count)
+                ]
+                stats[CAPTURED_MASS_BELOW_KEY] = float(self._stats_below)
+                self._stats_buckets = [0] * len(self._audit_edges)
+                self._stats_below = 0
+        return stats or None
 
     def maybe_log(self, now: float | None = None) -> str | None:
-        """Log ``Moira page reads: X%`` once per interval; returns the line logged."""
+        """Log ``Moira page reads: X%`` (and ``Moira captured mass: ...`` when lists
+        were audited) once per interval; returns the lines logged."""
         if not self.worker_log:
             return None
         now = self._clock() if now is None else now
@@ -126,12 +173,41 @@ class PageReadMetrics:
             kept, total = self._log_kept, self._log_total
             self._log_kept = self._log_total = 0
             self._last_log = now
-        if total <= 0:
-            return None  # no decode in this interval: stay quiet, like vLLM when idle
-        args = (100.0 * kept / total, kept, total, elapsed)
-        fmt = "Moira page reads: %.1f%% (%d of %d pages, last %.0f s)"
-        self._log_fn(fmt, *args)
-        return fmt % args
+            buckets, below = self._log_buckets, self._log_below
+            self._log_buckets = [0] * len(self._audit_edges)
+            self._log_below = 0
+        lines = []
+        if total > 0:  # no decode in this interval: stay quiet, like vLLM when idle
+            args = (100.0 * kept / total, kept, total, elapsed)
+            fmt = "Moira page reads: %.1f%% (%d of %d pages, last %.0f s)"
+            self._log_fn(fmt, *args)
+            lines.append(fmt % args)
+        if sum(buckets) > 0:
+            line = "Moira captured mass: " + captured_mass_summary(
+                self._audit_edges, buckets, below
+            )
+            self._log_fn("%s (last %.0f s)", line, elapsed)
+            lines.append(f"{line} (last {elapsed:.0f} s)")
+        return "\n".join(lines) or None
+
+
+def mass_quantile(edges: tuple[float, ...], buckets: list[int], q: float) -> float:
+    """Upper bound of the bucket that holds quantile ``q`` (what Prometheus's
+    histogram_quantile reports at a bucket's top)."""
+    n = sum(buckets)
+    running = 0
+    for bound, count in zip(edges, buckets):
+        running += count
+        if running >= q * n and count > 0:
+            return bound
+    return edges[-1] if edges else float("nan")
+
+
+def captured_mass_summary(edges: tuple[float, ...], buckets: list[int], below: int) -> str:
+    """'p10 <= 0.975, p50 <= 0.99; 3 of 120 audited lists below gamma - 0.01'."""
+    n = sum(buckets)
+    p10, p50 = mass_quantile(edges, buckets, 0.1), mass_quantile(edges, buckets, 0.5)
+    return f"p10 <= {p10:.4g}, p50 <= {p50:.4g}; {below} of {n} audited lists below gamma - 0.01"
 
 
 _METRICS: PageReadMetrics | None = None
@@ -167,7 +243,8 @@ def _is_capturing() -> bool:
 
 
 class ReadStatsPoller:
-    """Non-blocking reader of one workspace's ``read_stats`` counters.
+    """Non-blocking reader of one workspace's ``read_stats`` counters (and, with
+    ``audit_edges``, the captured-mass audit's counters after them: one copy).
 
     Call ``poll()`` on the host once per step, outside CUDA graphs (the
     metadata builder's ``build()``). It never synchronizes with the device:
@@ -179,18 +256,25 @@ class ReadStatsPoller:
         self,
         read_stats: torch.Tensor,
         metrics: PageReadMetrics | None = None,
+        audit_edges: tuple[float, ...] | None = None,
     ) -> None:
-        if read_stats.dtype != torch.int64 or read_stats.numel() != 2:
+        from ..attention.backends.moira_audit import audit_counter_count
+
+        num = 2 + (audit_counter_count(len(audit_edges)) if audit_edges else 0)
+        if read_stats.dtype != torch.int64 or read_stats.numel() != num:
             raise ValueError(
-                f"Moira: read_stats must be an int64 tensor of 2 elements, got "
+                f"Moira: read_stats must be an int64 tensor of {num} elements (2 read counts"
+                f"{', then the audit counters' if audit_edges else ''}), got "
                 f"{read_stats.dtype} of shape {tuple(read_stats.shape)}"
             )
         self._src = read_stats
+        self._audit_edges = tuple(audit_edges or ())
         self._on_device = read_stats.device.type == "cuda"
-        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=self._on_device)
+        self._host = torch.zeros(num, dtype=torch.int64, pin_memory=self._on_device)
         self._event = torch.cuda.Event() if self._on_device else None
         self._pending = False
         self._last = (0, 0)
+        self._last_audit = [0] * (num - 2)
         self._metrics = metrics if metrics is not None else get_page_read_metrics()
 
     def observe_host(self, pages: int) -> None:
@@ -198,6 +282,15 @@ class ReadStatsPoller:
         step on FA3: kept == total), straight into the metrics."""
         if pages > 0:
             self._metrics.observe(pages, pages)
+
+    def _observe_audit(self, values: list[int]) -> None:
+        if not values:
+            return
+        delta = [v - last for v, last in zip(values, self._last_audit)]
+        self._last_audit = values
+        if any(d < 0 for d in delta):
+            return  # zeroed (a benchmark): new baseline
+        self._metrics.observe_audit(self._audit_edges, delta[0], delta[1:])
 
     def _copy_ready(self) -> bool:
         return self._event is None or bool(self._event.query())
@@ -207,8 +300,10 @@ class ReadStatsPoller:
             return None  # build() of a graph capture: no copies or event queries
         delta = None
         if self._pending and self._copy_ready():
-            kept, total = (int(v) for v in self._host.tolist())
+            values = [int(v) for v in self._host.tolist()]
+            kept, total = values[0], values[1]
             self._pending = False
+            self._observe_audit(values[2:])
             dk, dt = kept - self._last[0], total - self._last[1]
             self._last = (kept, total)
             if dt < 0 or dk < 0:

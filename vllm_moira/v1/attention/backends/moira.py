@@ -70,6 +70,7 @@ from ...worker.moira_summaries import (
 from ...worker.moira_summaries import (
     summary_storage as summary_storage,  # re-exported: the kernel API names it
 )
+from .moira_audit import MoiraAudit, make_stats_counters, switch_audit  # noqa: F401
 
 # moira_config's public names are re-exported: callers use moira.MoiraConfig etc.
 from .moira_config import (  # noqa: F401
@@ -77,6 +78,7 @@ from .moira_config import (  # noqa: F401
     _SELECT_MAX_TILE_PAGES,
     ATTEND_BLOCKS_PER_SM,
     LAUNCH_KERNELS,
+    MOIRA_DEFAULT_AUDIT_EVERY,
     MOIRA_DEFAULT_ESTIMATOR,
     MOIRA_DEFAULT_REFINE,
     MOIRA_DEFAULT_SUMMARY_DTYPE,
@@ -91,6 +93,7 @@ from .moira_config import (  # noqa: F401
     MOIRA_SELECTORS,
     MOIRA_SUPPORTED_HEAD_SIZES,
     AttendLaunch,
+    AuditLaunch,
     EstimateLaunch,
     MoiraConfig,
     RefineLaunch,
@@ -99,6 +102,7 @@ from .moira_config import (  # noqa: F401
     _overridden,
     _unsupported_vllm_config_reasons,
     attend_launch,
+    audit_launch,
     check_launch_overrides,
     check_vllm_config_for_moira,
     estimate_launch,
@@ -2032,9 +2036,13 @@ class MoiraWorkspace:
         #: Where each list of the step starts
         #: when the lists are laid end to end (Attend writes, Merge reads).
         self.list_start = torch.zeros(max_num_seqs * num_kv_heads, dtype=i32, device=device)
+        #: int64 counters read back in one copy: [0:2] read_stats, then the
+        #: audit's; the audit (None when audit_every is 0: no launches at all).
+        self.stats_counters, self.audit = make_stats_counters(config, max_pages, group_size,
+                                                              device, self.launch)  # fmt: skip
         #: Pages kept and pages in the rows, summed over layers and steps
         #: (Select adds to it on the device; zero it to start a window).
-        self.read_stats = torch.zeros(2, dtype=torch.int64, device=device)
+        self.read_stats = self.stats_counters[:2]
         #: Pages of the steps that ran FA3 (dense_steps="fa3"), every one
         #: read; counted on the host. read_counts() adds them to read_stats.
         self.dense_read_pages = 0
@@ -2085,6 +2093,7 @@ class MoiraWorkspace:
                 "refine='wide' on a workspace built with selector='fixed' (no refine "
                 "launches were captured); build it with the coverage selector"
             )
+        switch_audit(self.audit, config)  # refuses before anything changes
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
         self.config = config
 
@@ -2120,13 +2129,14 @@ class MoiraWorkspace:
             self.partial_out,
             self.partial_lse,
             self.list_start,
-            self.read_stats,
+            self.stats_counters,
             self.kept_total,
             self.selector_params,
             self.row_gamma,
         )
         extra = () if self.select_stats is None else (self.select_stats,)
-        return sum(t.numel() * t.element_size() for t in (*tensors, *extra))
+        audit = 0 if self.audit is None else self.audit.nbytes()
+        return audit + sum(t.numel() * t.element_size() for t in (*tensors, *extra))
 
 
 def moira_workspace_bytes(
@@ -2220,7 +2230,7 @@ def moira_decode(
     dequantized K and V (stored value x scale). The query stays bf16.
     """
     _check_kv_cache(kv_cache)
-    _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)  # refuse before any launch
+    kv_fp8, k_scale_arg, _ = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
     estimate_and_select(query, kv_cache, summaries, block_table, seq_lens, workspace, scale,
                         write_filled_pages, k_scale)  # fmt: skip
     attend(
@@ -2237,6 +2247,9 @@ def moira_decode(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    if workspace.audit is not None and query.shape[0] > 0:  # the captured-mass audit
+        workspace.audit.run(query, kv_cache, block_table, seq_lens, workspace, scale, kv_fp8,
+                            k_scale_arg, _dependent_launch(workspace.launch))  # fmt: skip
 
 
 # ==========================================================================
@@ -2363,8 +2376,12 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         )
         from ...worker.moira_metrics import ReadStatsPoller
 
-        # Page-read fraction for logs and /metrics, polled without a host sync.
-        self.read_stats_poller = ReadStatsPoller(self.workspace.read_stats)
+        audit = self.workspace.audit
+        if audit is not None:
+            audit.num_layers = max(len(layer_names), 1)  # its launches per step
+        # Read fraction and audit counts for logs and /metrics: one copy, no host sync.
+        self.read_stats_poller = ReadStatsPoller(self.workspace.stats_counters,
+                                                 audit_edges=audit and audit.edges)  # fmt: skip
         self._capturing = False
         self._builds = 0
 

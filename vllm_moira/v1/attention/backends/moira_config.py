@@ -70,6 +70,10 @@ MOIRA_ESTIMATORS = tuple(MOIRA_ESTIMATOR_NUM_TOP)
 MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
 #: int8 summaries: half the memory of bf16 at the same accuracy.
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
+#: The captured-mass audit (moira_audit.py): every this many decode steps, a
+#: few lists per layer get their exact captured mass (0 = off). 64 keeps its
+#: key reads near 0.1% of a step's KV reads at 32k x 16 (docs/observability.md).
+MOIRA_DEFAULT_AUDIT_EVERY = 64
 
 #: The paper's decode step (§3.3) less its Attend schedule: no dense rows,
 #: Moira's kernels on every step, the estimate alone. ``MoiraConfig.paper()``;
@@ -78,6 +82,7 @@ MOIRA_PAPER_SETTINGS: dict[str, Any] = {
     "dense_batch_tokens": 0,
     "dense_steps": "moira",
     "refine": "off",
+    "audit_every": 0,
 }
 
 
@@ -85,7 +90,7 @@ MOIRA_PAPER_SETTINGS: dict[str, Any] = {
 class MoiraConfig:
     """Settings of the Moira decode step. The defaults are what the backend
     serves; ``MoiraConfig.paper()`` is the paper's decode step (§3.3). The
-    first seven are the user's options (the MOIRA_* variables,
+    first eight are the user's options (the MOIRA_* variables,
     ``moira_config_from_env``); the rest are the backend's settings, which
     benchmarks and tests change in process."""
 
@@ -107,6 +112,8 @@ class MoiraConfig:
     #: One of MOIRA_REFINE_MODES: Estimate's second stage (exact masses for the
     #: wide pages near the threshold; coverage rule only).
     refine: str = MOIRA_DEFAULT_REFINE
+    #: Captured-mass audit period in decode steps (0 = off: no audit launches).
+    audit_every: int = MOIRA_DEFAULT_AUDIT_EVERY
     #: N_F: Attend blocks of a step, which share its pages evenly. 0 = the
     #: blocks the device holds at once (resolve_attend_fill_blocks).
     attend_fill_blocks: int = 0
@@ -199,6 +206,16 @@ class MoiraConfig:
                 f"Moira: {n('summary_dtype')} 'int4' stores the keys of {with_keys} in 4 "
                 f"bits; {n('estimator')} {self.estimator!r} stores none (use 'int8')"
             )
+        if (
+            not isinstance(self.audit_every, int)
+            or isinstance(self.audit_every, bool)
+            or self.audit_every < 0
+        ):
+            raise ValueError(
+                f"Moira: {n('audit_every')} must be an integer >= 0 (decode steps between "
+                f"captured-mass audits; 0 = off, default {MOIRA_DEFAULT_AUDIT_EVERY}), "
+                f"got {self.audit_every!r}"
+            )
         if self.refine not in MOIRA_REFINE_MODES:
             raise ValueError(
                 f"Moira: {n('refine')} must be one of {MOIRA_REFINE_MODES} "
@@ -254,6 +271,7 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_ESTIMATOR": ("estimator", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
     "MOIRA_REFINE": ("refine", str),
+    "MOIRA_AUDIT_EVERY": ("audit_every", int),
 }
 # Benchmark-only: the accuracy runs read every row through the selector (0),
 # where serving reads short rows whole.
@@ -297,7 +315,10 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
         try:
             kwargs[field_name] = kind(raw.lower() if kind is str else raw)
         except ValueError:
-            raise ValueError(f"Moira: {env_name}={raw!r} is not a valid {kind.__name__}") from None
+            raise ValueError(
+                f"Moira: {env_name}={raw!r} is not a valid {kind.__name__}"
+                + (" (an integer >= 0; 0 = off)" if env_name == "MOIRA_AUDIT_EVERY" else "")
+            ) from None
     config = MoiraConfig(**kwargs)
     config.validate({field: env for env, (field, _) in fields.items()})
     return config
@@ -313,7 +334,7 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
 
 #: Kernels whose launch a ``launch`` mapping overrides ("step": the whole
 #: decode step's dependent launches).
-LAUNCH_KERNELS = ("writer", "estimate", "select", "refine", "attend", "step")
+LAUNCH_KERNELS = ("writer", "estimate", "select", "refine", "attend", "audit", "step")
 #: Attend blocks resident per SM at Attend's register cap; N_F = 0 aims a step
 #: at this many blocks per SM, one full wave.
 ATTEND_BLOCKS_PER_SM = 3
@@ -348,6 +369,11 @@ class RefineLaunch(NamedTuple):
     pipeline_stages: int  # depth of the loop over a tile's refined pages
     num_warps: int  # per program
     step_programs: int  # about how many programs a step launches
+
+
+class AuditLaunch(NamedTuple):
+    samples: int  # lists audited per layer of an audited step
+    list_programs: int  # programs that share one audited list's pages
 
 
 class AttendLaunch(NamedTuple):
@@ -452,6 +478,21 @@ def attend_launch(kv_fp8: bool, overrides: Mapping[str, Any] | None = None) -> A
     return AttendLaunch(**_overridden("attend", defaults, overrides))
 
 
+def audit_launch(max_pages: int, overrides: Mapping[str, Any] | None = None) -> AuditLaunch:
+    """The captured-mass audit's launch (moira_audit.py) for rows of up to ``max_pages``
+    pages: ``samples`` lists per layer of an audited step, each read by ``list_programs``
+    programs (at most one per page) so that an audited step's extra reads take a few
+    microseconds per layer instead of one program's walk over a whole row."""
+    values = _overridden("audit", {"samples": 2, "list_programs": 64}, overrides)
+    for name, top in (("samples", 64), ("list_programs", 256)):
+        value = values[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+            raise ValueError(
+                f"Moira: audit launch {name} must be an integer in 1..{top}, got {value!r}"
+            )
+    return AuditLaunch(values["samples"], min(values["list_programs"], max(max_pages, 1)))
+
+
 def check_launch_overrides(
     launch: Mapping[str, Mapping[str, Any]] | None,
 ) -> dict[str, Mapping[str, Any]]:
@@ -466,6 +507,7 @@ def check_launch_overrides(
     select_launch(_SELECT_MAX_TILE_PAGES, 1, launch.get("select"))
     refine_launch(launch.get("refine"))
     attend_launch(False, launch.get("attend"))
+    audit_launch(1, launch.get("audit"))
     _overridden("step", {"pdl": True}, launch.get("step"))
     return launch
 

@@ -482,6 +482,26 @@ def attend_pages(
     return torch.cat(outs), torch.cat(lses)
 
 
+def captured_mass(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    head: int,
+    pages: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> float:
+    """The audit's quantity for one (row, KV head) list: the exact softmax of the
+    head's G query heads over all ``seq_len`` keys, summed over the tokens of
+    ``pages`` and averaged over the group. ``query`` ``[H_q, D]``, ``keys``
+    ``[H_kv, seq_len, D]`` fp32 (``row_keys_values``)."""
+    g = query.shape[0] // keys.shape[0]
+    probs = torch.softmax(query[head * g : (head + 1) * g].float() * scale @ keys[head].T, -1)
+    kept = torch.zeros(seq_len, dtype=torch.bool, device=keys.device)
+    for p in pages.tolist():
+        kept[p * PAGE_SIZE : (p + 1) * PAGE_SIZE] = True
+    return float(probs[:, kept].sum(-1).mean())
+
+
 def merge_partials(
     partial_out: torch.Tensor, partial_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
