@@ -87,6 +87,13 @@ Steps (NAME[:ARG]):
                        MOIRA and CUSTOM, into tpot_plugin.json (SHAPES default
                        31744x16,16384x32,8192x64,31744x1; FLASH_ATTN and MOIRA are taken
                        from an earlier tpot-real step of the run on the same shapes)
+  yarn-dense[:FACTORS] benchmarks/yarn_dense.py run: FLASH_ATTN on the real model with YaRN
+                       (dense qualification of each length): unscaled at 32k, factor 2 at 32k/64k, factor 4 at
+                       32k-128k; needles and perplexity, into yarn_dense.json (parts
+                       yarn_dense_fF.json; a part holding a length skips it, so a second
+                       call with the same --out continues). FACTORS: comma-separated of
+                       1, 2, 4 (default all). Needs --yarn-prompts and --acc-model; with
+                       --step-timeout it stops 30 s before it, between lengths
 
 Options:
   --out DIR            output directory (required; created)
@@ -106,9 +113,10 @@ Options:
                        set), wide / off (that MOIRA_REFINE), mvar (MOIRA_ESTIMATOR=mvar),
                        int4 / int8 (that MOIRA_SUMMARY_DTYPE), auditoff
                        (MOIRA_AUDIT_EVERY=0)
+  --yarn-prompts FILE  yarn_dense.py export (default .stage/yarn/prompts.json.gz)
   --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py or
                        scripts/gpu_carry_model.py assemble; default .stage/accuracy/model);
-                       also the model of tpot-real and serving-real
+                       also the model of tpot-real, serving-real and yarn-dense
   -h, --help           this text
 
 The Moira configuration is the MOIRA_* environment this script is started with;
@@ -129,6 +137,8 @@ KV_DTYPE="auto"
 ACC_PROMPTS=".stage/accuracy/prompts.json"
 ACC_MODEL=".stage/accuracy/model"
 TPOT_ARMS="moira wide mvar"
+YARN_PROMPTS=".stage/yarn/prompts.json.gz"
+NEED_YARN=0
 STEPS=()
 NEED_REAL_MODEL=0
 
@@ -151,6 +161,7 @@ while [[ $# -gt 0 ]]; do
         --acc-prompts) need_value "$@"; ACC_PROMPTS=$2; shift ;;
         --acc-model) need_value "$@"; ACC_MODEL=$2; shift ;;
         --tpot-arms) need_value "$@"; TPOT_ARMS=$2; shift ;;
+        --yarn-prompts) need_value "$@"; YARN_PROMPTS=$2; shift ;;
         -h | --help) usage; exit 0 ;;
         -*) echo "run_gpu.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) STEPS+=("$1") ;;
@@ -187,6 +198,7 @@ for step in "${STEPS[@]}"; do
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
+        yarn-dense) NEED_YARN=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -199,6 +211,11 @@ fi
 if [[ ${NEED_REAL_MODEL} == 1 && ( ! -f "${ACC_PROMPTS}" || ! -d "${ACC_MODEL}" ) ]]; then
     echo "run_gpu.sh: accuracy-suite, tpot-real, serving-real and plugin-check need --acc-prompts FILE" \
         "(${ACC_PROMPTS}) and --acc-model DIR (${ACC_MODEL}); see scripts/prepare_model.py" >&2
+    exit 2
+fi
+if [[ ${NEED_YARN} == 1 && ( ! -f "${YARN_PROMPTS}" || ! -d "${ACC_MODEL}" ) ]]; then
+    echo "run_gpu.sh: yarn-dense needs --yarn-prompts FILE (${YARN_PROMPTS}) and --acc-model" \
+        "DIR (${ACC_MODEL}); see benchmarks/yarn_dense.py export" >&2
     exit 2
 fi
 
@@ -504,6 +521,15 @@ for step in "${STEPS[@]}"; do
                 --tokenizer "${ACC_MODEL}" --dataset "${dataset}" \
                 --concurrency "${arg:-1,16,32}" --waves 2 --moira-env "${serve_env}" \
                 --detailed --budget-s 900 --log-dir "${OUT}" --out "${OUT}/serving_real.json"
+            ;;
+        yarn-dense)
+            factors=()
+            [[ -n "${arg}" ]] && IFS=, read -r -a factors <<<"${arg}"
+            budget=()
+            [[ "${STEP_TIMEOUT}" != 0 ]] && budget=(--budget-s "$((STEP_TIMEOUT - 30))")
+            run yarn_dense python benchmarks/yarn_dense.py run --prompts "${YARN_PROMPTS}" \
+                --model "${ACC_MODEL}" ${factors[@]+--factors "${factors[@]}"} \
+                ${budget[@]+"${budget[@]}"} --out "${OUT}/yarn_dense.json"
             ;;
     esac
 done

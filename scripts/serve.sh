@@ -2,6 +2,10 @@
 # Install Moira into vLLM 0.30.0 and serve a model with it (Hopper GPU).
 #
 #   bash scripts/serve.sh [MODEL_DIR_OR_ID] [extra 'vllm serve' args...]
+#   bash scripts/serve.sh --yarn 4 MODEL_DIR [...]   positions stretched 4x (or 2x) with YaRN:
+#                                     adds --hf-overrides (rope_parameters, from the model's
+#                                     config.json) and --max-model-len (4x its positions; a
+#                                     later --max-model-len wins); benchmarks/yarn_dense.py
 #   bash scripts/serve.sh --check     validate the MOIRA_* environment and print the
 #                                     resolved config (no GPU, no server; needs vLLM 0.30.0:
 #                                     the .venv of scripts/test.sh, or an active env)
@@ -131,6 +135,30 @@ if [[ "${1:-}" == --check ]]; then
     check_config
     exit $?
 fi
+
+# --yarn FACTOR, anywhere in the arguments; checked before anything is installed.
+YARN=""
+REST=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --yarn)
+            if [[ $# -lt 2 ]]; then
+                echo "[serve.sh] --yarn needs a factor: 2 or 4" >&2
+                exit 2
+            fi
+            YARN=$2
+            shift 2
+            ;;
+        --yarn=*) YARN=${1#--yarn=}; shift ;;
+        *) REST+=("$1"); shift ;;
+    esac
+done
+set -- ${REST[@]+"${REST[@]}"}
+if [[ -n "${YARN}" && "${YARN}" != 2 && "${YARN}" != 4 ]]; then
+    echo "[serve.sh] --yarn: the factor must be 2 or 4 (YaRN over the model's trained" \
+        "positions), not '${YARN}'" >&2
+    exit 2
+fi
 if [[ "${MOIRA_SKIP_GPU_CHECK:-0}" != 1 ]]; then
     require_hopper
 fi
@@ -172,14 +200,27 @@ else
     fi
 fi
 
+YARN_ARGS=()
+if [[ -n "${YARN}" ]]; then
+    if [[ ! -f "${MODEL}/config.json" ]]; then
+        echo "[serve.sh] --yarn needs a local model directory with config.json, not '${MODEL}'" >&2
+        exit 2
+    fi
+    YARN_OUT=$("${PY}" "${ROOT}/benchmarks/yarn_dense.py" overrides --factor "${YARN}" \
+        --model "${MODEL}") || exit 2
+    YARN_ARGS=(--hf-overrides "${YARN_OUT%%$'\n'*}" --max-model-len "${YARN_OUT##*$'\n'}")
+    echo "[serve.sh] YaRN factor ${YARN}: ${YARN_ARGS[*]}"
+fi
+
 if [[ "${MODE}" == plugin ]]; then
     # The request guard refuses per-request moira_gamma (a patched-build feature); the
     # `=` form takes one value, so the list cannot swallow a following argument.
     PLUGIN_ARGS=(--attention-backend=CUSTOM
         --logits-processors=vllm_moira.request_guard:MoiraRequestGuard)
     echo "[serve.sh] vllm serve ${MODEL} (plugin mode: ${PLUGIN_ARGS[*]}) $*"
-    exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" "${PLUGIN_ARGS[@]}" "$@"
+    exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" "${PLUGIN_ARGS[@]}" \
+        ${YARN_ARGS[@]+"${YARN_ARGS[@]}"} "$@"
 fi
 export VLLM_ATTENTION_BACKEND=MOIRA
 echo "[serve.sh] vllm serve ${MODEL} (VLLM_ATTENTION_BACKEND=MOIRA) $*"
-exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" "$@"
+exec "${PY}" -m vllm.entrypoints.cli.main serve "${MODEL}" ${YARN_ARGS[@]+"${YARN_ARGS[@]}"} "$@"

@@ -169,25 +169,19 @@ def answer_budget(tok, samples) -> int:
     return max(12, longest + 8)
 
 
-def export(args) -> None:
-    from transformers import AutoTokenizer
-
+def build_docs(
+    tok, contexts, tasks, haystacks, reserve: int, n_docs: int
+) -> tuple[list[dict], int]:
+    """``export``'s documents (``{"id", "doc", "sample", "prompt_token_ids"}``: the chat
+    template's token ids, each document generated ``reserve`` tokens short of its context)
+    and the answer budget ``max_new``; every prompt plus that budget fits its context."""
     from benchmarks.accuracy import harness as H
 
-    prepare = _prepare_module()
-    suite = SUITES[args.model]
-    contexts = args.contexts or suite["contexts"]
-    tasks = args.tasks or suite["tasks"]
-    haystacks = args.haystacks or suite["haystacks"]
-    reserve = suite["reserve"] if args.reserve is None else args.reserve
-    model_dir = Path(args.model_dir) if args.model_dir else prepare.prepare(model=args.model)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.time()
     samples = []
     for ctx in contexts:
         for task in tasks:
-            generated = D.ruler_samples(tok, task, ctx - reserve, args.docs, haystacks=haystacks)
+            generated = D.ruler_samples(tok, task, ctx - reserve, n_docs, haystacks=haystacks)
             for doc, sample in enumerate(generated):
                 sample.context = ctx  # the nominal context (the row it is reported under)
                 samples.append((f"{task}|{ctx}|{doc}", doc, sample))
@@ -202,6 +196,22 @@ def export(args) -> None:
                 f"generate exceed the context {sample.context}"
             )
         docs.append({"id": doc_id, "doc": doc, "sample": asdict(sample), "prompt_token_ids": ids})
+    return docs, max_new
+
+
+def export(args) -> None:
+    from transformers import AutoTokenizer
+
+    prepare = _prepare_module()
+    suite = SUITES[args.model]
+    contexts = args.contexts or suite["contexts"]
+    tasks = args.tasks or suite["tasks"]
+    haystacks = args.haystacks or suite["haystacks"]
+    reserve = suite["reserve"] if args.reserve is None else args.reserve
+    model_dir = Path(args.model_dir) if args.model_dir else prepare.prepare(model=args.model)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    docs, max_new = build_docs(tok, contexts, tasks, haystacks, reserve, args.docs)
     stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
     spec = prepare.MODELS[args.model]
     out = {
