@@ -2380,8 +2380,9 @@ class MoiraMetadataBuilder(FlashAttentionMetadataBuilder):
         if audit is not None:
             audit.num_layers = max(len(layer_names), 1)  # its launches per step
         # Read fraction and audit counts for logs and /metrics: one copy, no host sync.
+        audit_edges = audit.edges if audit is not None else None
         self.read_stats_poller = ReadStatsPoller(self.workspace.stats_counters,
-                                                 audit_edges=audit and audit.edges)  # fmt: skip
+                                                 audit_edges=audit_edges)  # fmt: skip
         self._capturing = False
         self._builds = 0
 
