@@ -147,14 +147,15 @@ def kernel_moira_audit(
     counters_ptr,  # [1 + NUM_EDGES] int64 (accumulated): below gamma, bucket counts
     recent_ptr,  # [SAMPLES, 4] fp32 (out): row, KV head, mass, gamma of the last audit
     scale, num_rows, num_layers, num_kv_heads,
-    stride_q_row: tl.int64, stride_q_head: tl.int64, stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64, stride_kv_token: tl.int64, stride_bt_row: tl.int64,
-    stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_ll_row: tl.int64,
-    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SAMPLES: tl.constexpr, LIST_PROGRAMS: tl.constexpr,
-    PROGRAMS_TILE: tl.constexpr, NUM_EDGES: tl.constexpr, EDGES_TILE: tl.constexpr,
-    ROWS_TILE: tl.constexpr, LIST_TILE: tl.constexpr, KV_FP8: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
+    stride_q_row: tl.int64, stride_q_head: tl.int64,  # query
+    stride_kv_block: tl.int64, stride_kv_head: tl.int64, stride_kv_token: tl.int64,  # cache
+    stride_bt_row: tl.int64,  # block table
+    stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_ll_row: tl.int64,  # lists
+    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,  # query heads per KV head, padded
+    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SAMPLES: tl.constexpr, LIST_PROGRAMS: tl.constexpr, PROGRAMS_TILE: tl.constexpr,
+    NUM_EDGES: tl.constexpr, EDGES_TILE: tl.constexpr, ROWS_TILE: tl.constexpr,
+    LIST_TILE: tl.constexpr, KV_FP8: tl.constexpr = False, USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     # One program per (sample, part of the list's pages). Everything it reads
     # (the lists, the cache, the counters) is complete once the previous kernel
