@@ -70,8 +70,8 @@ Steps (NAME[:ARG]):
                        engine (stage time per layer, rate against the copy rate; SHAPES
                        default 31744x16,16384x32,8192x64,31744x1)
   audit[:SHAPES]       the captured-mass audit's cost: bench_tpot.py on the real model and
-                       text (as tpot-real), FLASH_ATTN, then MOIRA with MOIRA_AUDIT_EVERY=0
-                       (off) and with the default period, merged into audit_tpot.json
+                       text (as tpot-real), FLASH_ATTN, then MOIRA as configured (the
+                       default: off) and with MOIRA_AUDIT_EVERY=64, merged into audit_tpot.json
                        (SHAPES default 31744x16,16384x32,31744x1)
   serving-real[:CONC]  bench_serving.py on the real model and text: the dataset is cut
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
@@ -111,8 +111,8 @@ Options:
   --tpot-arms LIST     tpot-real's MOIRA engines, space-separated (default "moira wide
                        mvar"): moira (as configured: the default when no MOIRA_* is
                        set), wide / off (that MOIRA_REFINE), mvar (MOIRA_ESTIMATOR=mvar),
-                       int4 / int8 (that MOIRA_SUMMARY_DTYPE), auditoff
-                       (MOIRA_AUDIT_EVERY=0)
+                       int4 / int8 (that MOIRA_SUMMARY_DTYPE), audit
+                       (MOIRA_AUDIT_EVERY=64)
   --yarn-prompts FILE  yarn_dense.py export (default .stage/yarn/prompts.json.gz)
   --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py or
                        scripts/gpu_carry_model.py assemble; default .stage/accuracy/model);
@@ -183,8 +183,8 @@ SUFFIX=""
 KV_ARGS=(--kv-cache-dtype "${KV_DTYPE}")
 for arm in ${TPOT_ARMS}; do
     case "${arm}" in
-        moira | wide | off | mvar | int4 | int8 | auditoff) ;;
-        *) echo "run_gpu.sh: --tpot-arms takes moira, wide, off, mvar, int4, int8 and auditoff," \
+        moira | wide | off | mvar | int4 | int8 | audit) ;;
+        *) echo "run_gpu.sh: --tpot-arms takes moira, wide, off, mvar, int4, int8 and audit," \
             "not '${arm}'" >&2; exit 2 ;;
     esac
 done
@@ -297,7 +297,7 @@ log "built at ${COMMIT} (dirty: ${DIRTY})"
 
 # bench_tpot.py engines of one step: FLASH_ATTN, then MOIRA once per mode ("moira": the
 # environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE; "mvar": MOIRA_ESTIMATOR=mvar;
-# "int4" / "int8": that MOIRA_SUMMARY_DTYPE),
+# "int4" / "int8": that MOIRA_SUMMARY_DTYPE; "audit": MOIRA_AUDIT_EVERY=64),
 # each into OUT/NAME_MODE.json,
 # then --merge into OUT/NAME.json once the dense record and a MOIRA one exist.
 # tpot_engines NAME "MODES" "MOIRA-ONLY ARGS" BENCH_TPOT_ARGS...
@@ -316,7 +316,7 @@ tpot_engines() {
                 moira) env_args=() ;;
                 mvar) env_args=(MOIRA_ESTIMATOR=mvar) ;;
                 int4 | int8) env_args=(MOIRA_SUMMARY_DTYPE="${mode}") ;;
-                auditoff) env_args=(MOIRA_AUDIT_EVERY=0) ;;
+                audit) env_args=(MOIRA_AUDIT_EVERY=64) ;;
                 *) env_args=(MOIRA_REFINE="${mode}") ;;
             esac
             run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
@@ -451,9 +451,9 @@ for step in "${STEPS[@]}"; do
             REAL_SHAPES_RUN=${real_shapes}
             ;;
         audit)
-            # The same engines but for the audit: off, then the default (MOIRA_* unset);
-            # rows name it (audit_every), so the merge keeps both beside dense.
-            tpot_engines "audit_tpot${SUFFIX}" "auditoff moira" "--gammas 0.98 --no-fixed" \
+            # The same engines but for the audit: the default (MOIRA_* unset: off), then
+            # every 64 steps; rows name it (audit_every), so the merge keeps both beside dense.
+            tpot_engines "audit_tpot${SUFFIX}" "moira audit" "--gammas 0.98 --no-fixed" \
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${arg:-31744x16,16384x32,31744x1}" --gen 32
             ;;

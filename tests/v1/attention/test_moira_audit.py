@@ -174,7 +174,8 @@ def test_captured_mass_buckets_are_fine_around_gamma():
 
 
 def test_audit_option_default_and_errors():
-    assert moira.moira_config_from_env({}).audit_every == moira.MOIRA_DEFAULT_AUDIT_EVERY == 64
+    assert moira.moira_config_from_env({}).audit_every == moira.MOIRA_DEFAULT_AUDIT_EVERY == 0
+    assert moira.moira_config_from_env({"MOIRA_AUDIT_EVERY": "64"}).audit_every == 64
     assert moira.moira_config_from_env({"MOIRA_AUDIT_EVERY": "0"}).audit_every == 0
     assert moira.MoiraConfig.paper().audit_every == 0
     with pytest.raises(ValueError, match=r"MOIRA_AUDIT_EVERY must be an integer >= 0.*0 = off"):

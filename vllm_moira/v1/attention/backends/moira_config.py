@@ -71,9 +71,11 @@ MOIRA_DEFAULT_ESTIMATOR = "mvar_top8"
 #: int8 summaries: half the memory of bf16 at the same accuracy.
 MOIRA_DEFAULT_SUMMARY_DTYPE = "int8"
 #: The captured-mass audit (moira_audit.py): every this many decode steps, a
-#: few lists per layer get their exact captured mass (0 = off). 64 keeps its
-#: key reads near 0.1% of a step's KV reads at 32k x 16 (docs/observability.md).
-MOIRA_DEFAULT_AUDIT_EVERY = 64
+#: few lists per layer get their exact captured mass (0 = off). Off by default:
+#: on, it adds a launch per layer to every decode step, and the default decode
+#: step changes only with its cost measured end to end. 64 keeps its key reads
+#: near 0.1% of a step's KV reads at 32k x 16 (docs/observability.md).
+MOIRA_DEFAULT_AUDIT_EVERY = 0
 
 #: The paper's decode step (§3.3) less its Attend schedule: no dense rows,
 #: Moira's kernels on every step, the estimate alone. ``MoiraConfig.paper()``;
