@@ -163,6 +163,33 @@ SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
 SUB_RE = re.compile(r"^sub(rem)?(\d+)$")
 
 
+#: ``ub<slack>/<base>``: ``base`` floored by its page's per-channel key box (int8, rounded
+#: outward): ``research.box_floor_logmass(base, box_max_logit, slack)``; ``ubb<slack>/<base>``:
+#: the box of the bulk only (``base`` a ``mvar_top{r}`` name; its ``r`` stored keys left out)
+BOX_FLOOR_RE = re.compile(r"^ub(b?)(\d+(?:\.\d+)?)/(.+)$")
+
+
+#: ``<storage>:ztop<r>``: ``mvar_top{r}`` with the stored keys chosen by their standardized
+#: distance from the page mean (``research.summarize_top_standardized``)
+ZTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?ztop(\d+)$")
+
+
+#: ``<storage>:qtop<r>``: ``mvar_top{r}`` with the stored keys the row's largest logits
+#: (``research.query_chosen_logmass``): the ceiling of any stored-key choice, not a writer
+QTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?qtop(\d+)$")
+
+
+def parse_box_floor(name: str) -> tuple[str, float, bool] | None:
+    """``(base, slack, bulk box?)`` of a ``BOX_FLOOR_RE`` name, None for other names."""
+    m = BOX_FLOOR_RE.match(name)
+    if m is None:
+        return None
+    base = m.group(3)
+    if m.group(1) and ref.parse_stored_estimator(base)[0] not in ref.TOP_ESTIMATORS:
+        raise ValueError(f"ubb needs a mvar_top{{r}} base, got {base!r}")
+    return base, float(m.group(2)), bool(m.group(1))
+
+
 def parse_pc(name: str) -> tuple[int, int, str | None] | None:
     """``(r, k, cap rule or None)`` of a ``PC_RE`` name, None for other names."""
     m = PC_RE.match(name)
@@ -239,7 +266,11 @@ def base_estimators(estimators) -> list[str]:
     for e in estimators:
         two = parse_two_stage(e) or parse_spread_gated(e)
         anchored = parse_anchored(e)
-        for b in (two[0], two[1]) if two else (anchored[0],) if anchored else (e,):
+        floor = parse_box_floor(e)
+        for b in (
+            (two[0], two[1]) if two else (anchored[0],) if anchored
+            else (floor[0], e) if floor else (e,)
+        ):  # fmt: skip
             if b not in out:
                 out.append(b)
     return out
@@ -274,6 +305,19 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
         summaries = {}
         for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
+            floor = parse_box_floor(e)
+            if floor:  # the base's own summary is the base's entry
+                r = ref.TOP_ESTIMATORS[ref.parse_stored_estimator(floor[0])[0]] if floor[2] else 0
+                summaries[e] = research.store_box_int8(research.summarize_key_box(pages, r))
+                continue
+            if QTOP_RE.match(e):  # summarized per row, from the row's query
+                continue
+            ztop = ZTOP_RE.match(e)
+            if ztop:
+                summ = research.summarize_top_standardized(pages, int(ztop.group(2)))
+                storage = ref.parse_stored_estimator(e)[1]
+                summaries[e] = summ if storage is None else ref.stored_summaries(summ, storage)
+                continue
             sub = SUB_RE.match(e)
             if sub:
                 summaries[e] = research.summarize_sub_pages(pages, int(sub.group(2)))
@@ -312,7 +356,21 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                 pc = parse_pc(e)
                 sampled = SAMPLED_RE.match(e)
                 sub = SUB_RE.match(e)
-                if sub:
+                floor = parse_box_floor(e)
+                if floor:  # its base comes first in ``bases``
+                    bound = research.box_max_logit(q, summaries[e][page_rows], scale)
+                    est = research.box_floor_logmass(ests[floor[0]], bound, floor[1])
+                elif QTOP_RE.match(e):
+                    n_in = seq_len // H.PAGE  # full pages; the current page is exact below
+                    est = exact.clone()
+                    if n_in > 0:
+                        est[..., :n_in] = research.query_chosen_logmass(
+                            q, pages[:n_in], scale, int(QTOP_RE.match(e).group(2)),
+                            ref.parse_stored_estimator(e)[1],
+                        )  # fmt: skip
+                elif ZTOP_RE.match(e):
+                    est = ref.top_page_logmass(q, summaries[e][page_rows], scale)
+                elif sub:
                     summ = summaries[e][page_rows]
                     est = research.sub_page_logmass(q, summ, scale, rem=bool(sub.group(1)))
                 elif sampled:

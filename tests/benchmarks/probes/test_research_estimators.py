@@ -342,3 +342,53 @@ def test_sub_page_estimate_spans_mvar_to_the_exact_mass():
     assert torch.allclose(four[:, :, 2], pages[:, :, 16:32].mean(dim=-2))
     with pytest.raises(ValueError, match="must divide"):
         research.summarize_sub_pages(pages, 3)
+
+
+def test_box_floor_sees_a_key_the_top_estimate_misses():
+    pages, query, exact = _pages_and_exact(11)
+    # every bulk key's logit is under the bulk box's bound, stored int8 (rounded outward)
+    box = research.store_box_int8(research.summarize_key_box(pages, 8))
+    bound = research.box_max_logit(query, box, SCALE)  # [H, G, n]
+    bulk = research.bulk_mask(pages, 8)  # [n, H, 64]
+    h_kv = pages.shape[1]
+    logits = torch.einsum("hgd,nhtd->hgnt", query.view(h_kv, -1, D) * SCALE, pages)
+    bulk_logits = torch.where(bulk.permute(1, 0, 2).unsqueeze(1), logits, -math.inf)
+    assert bool((bound >= bulk_logits.amax(-1) - 1e-5).all())
+    # the full box holds every key, so its bound is at least the bulk's
+    full = research.store_box_int8(research.summarize_key_box(pages))
+    assert bool((research.box_max_logit(query, full, SCALE) >= bound - 1e-5).all())
+    base = ref.top_page_logmass(query, ref.summarize_key_pages_top(pages, 8), SCALE)
+    floored = research.box_floor_logmass(base, bound, 4.0)
+    assert bool((floored >= base).all()) and bool((floored >= bound - 4.0).all())
+    # a huge slack leaves the base as it was
+    torch.testing.assert_close(research.box_floor_logmass(base, bound, 1e4), base)
+
+
+def test_standardized_order_prefers_a_key_far_out_in_a_quiet_channel():
+    gen = torch.Generator().manual_seed(3)
+    page = torch.randn(ref.PAGE_SIZE, D, generator=gen) * 0.1
+    page[:, 0] *= 100.0  # a loud channel: every key is far out in it
+    page[7, 5] += 2.0  # key 7: far out (20 sigma) in a quiet channel
+    assert 7 not in ref.stored_key_order(page, 4).tolist()
+    assert research.standardized_key_order(page, 4)[0] == 7
+    summ = research.summarize_top_standardized(page.unsqueeze(0), 4)[0]
+    assert summ.shape == (2 + 4, D)
+    torch.testing.assert_close(summ[2], page[7])
+    rest = torch.ones(ref.PAGE_SIZE, dtype=torch.bool)
+    rest[research.standardized_key_order(page, 4)] = False
+    torch.testing.assert_close(summ[0], page[rest].mean(0))
+    torch.testing.assert_close(summ[1], page[rest].var(0, unbiased=False))
+
+
+def test_query_chosen_keys_store_the_largest_logits():
+    pages, query, exact = _pages_and_exact(12)
+    # all but one key stored: the bulk is one key, its variance 0, so the mass is exact
+    got = research.query_chosen_logmass(query, pages, SCALE, ref.PAGE_SIZE - 1, None)
+    torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5)
+    # the planted outlier (page 3, head 0, token 5) is stored when it tops the logits
+    x = query.view(2, 3, D) * SCALE
+    logits = torch.einsum("gd,td->gt", x[0], pages[3, 0]).amax(0)
+    chosen = research.query_chosen_logmass(query, pages, SCALE, 1, None)
+    order = torch.tensor([[int(logits.argmax())]])
+    summ = research.summarize_top_by_order(pages[3:4, :1], order.view(1, 1, 1))
+    torch.testing.assert_close(chosen[0, :, 3], ref.top_page_logmass(query[:3], summ, SCALE)[0, :, 0])
