@@ -604,6 +604,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_prompt_arguments(ap, prepare, "needle_mid")
     ap.add_argument("--prompts", type=int, default=1, help="seeds per (context, haystack, task)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="seeds first-seed .. first-seed + prompts - 1: other needles and "
+                    "haystack stretches than seed 0's, for held-out prompts")  # fmt: skip
     ap.add_argument("--last-k", type=int, default=16, help="teacher-forced rows per prompt")
     ap.add_argument("--estimators", nargs="+", default=ESTIMATORS)
     ap.add_argument("--gammas", type=float, nargs="+", default=GAMMAS)
@@ -618,17 +621,31 @@ def main() -> None:
     )
     args = ap.parse_args()
     t_start = time.time()
-    tok, model = H.load_model(prepare.prepare(model=args.model), threads=args.threads or None)
-    cfg = model.config  # Qwen2's config has no head_dim (it is hidden_size / query heads)
-    scale = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) ** -0.5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights: list = []  # (tokenizer, model): loaded only when a prompt has no capture yet
+
+    def tok_and_model() -> list:
+        if not weights:
+            weights.extend(
+                H.load_model(prepare.prepare(model=args.model), threads=args.threads or None)
+            )
+        return weights
+
     results, captures = [], []
     heat_all: dict | None = {} if args.heatmaps else None
     runs = [(c, hay, task, seed) for c in args.contexts for hay in args.haystacks
-            for task in args.tasks for seed in range(args.prompts)]  # fmt: skip
+            for task in args.tasks
+            for seed in range(args.first_seed, args.first_seed + args.prompts)]  # fmt: skip
     stats_by_ctx: dict = {}
     for j, (ctx, hay, task, seed) in enumerate(runs):
         label = f"{task}/{hay}/{ctx}/s{seed}"
+        cached = cache_path(args.model, task, hay, ctx, seed, args.last_k).is_file()
+        tok, model = (None, None) if cached else tok_and_model()
         blob = capture(tok, model, args.model, ctx, seed, args.last_k, task, hay)
+        # the softmax scale 1 / sqrt(head dim), from the captured queries [H_q, K, D]: the
+        # same as the config's (Qwen2's config has no head_dim; hidden_size / query heads)
+        scale = next(iter(blob["layers"].values()))["q"].shape[-1] ** -0.5
         captures.append(
             {
                 "prompt": label,
@@ -663,7 +680,7 @@ def main() -> None:
         "seconds": round(time.time() - t_start, 1),
     }
     if heat_all is not None:
-        out["kept_fraction_variation_gamma_0.98"] = heat_maps(model.config, heat_all, args)
+        out["kept_fraction_variation_gamma_0.98"] = heat_maps(tok_and_model()[1].config, heat_all, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out} ({time.time() - t_start:.0f}s)")
