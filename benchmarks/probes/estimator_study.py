@@ -179,6 +179,18 @@ ZTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?ztop(\d+)$")
 QTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?qtop(\d+)$")
 
 
+#: ``<storage>:wtop<r>[_<l>]``: ``mvar_top{r}`` with the stored keys chosen at the end of
+#: prefill by the prompt's last queries, the rows ``--warmup-rows`` runs but does not count
+#: (``research.summarize_top_window``; the first ``l`` of them by L2 distance as mvar_top's)
+WTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?wtop(\d+)(?:_(\d+))?$")
+
+
+#: ``<storage>:ptop<r>_<k>``: ``mvar_top{r}`` with the stored keys the farthest from the page
+#: mean once the head's ``k`` leading key axes are projected out
+#: (``research.summarize_top_projected``)
+PTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?ptop(\d+)_(\d+)$")
+
+
 def parse_box_floor(name: str) -> tuple[str, float, bool] | None:
     """``(base, slack, bulk box?)`` of a ``BOX_FLOOR_RE`` name, None for other names."""
     m = BOX_FLOOR_RE.match(name)
@@ -312,6 +324,26 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                 continue
             if QTOP_RE.match(e):  # summarized per row, from the row's query
                 continue
+            ptop = PTOP_RE.match(e)
+            if ptop:
+                summ = research.summarize_top_projected(
+                    pages, int(ptop.group(2)), int(ptop.group(3))
+                )
+                storage = ref.parse_stored_estimator(e)[1]
+                summaries[e] = summ if storage is None else ref.stored_summaries(summ, storage)
+                continue
+            wtop = WTOP_RE.match(e)
+            if wtop:  # the window: the uncounted rows, at their absolute positions
+                if warmup_rows <= 0:
+                    raise ValueError(f"{e} needs --warmup-rows > 0 (its observation window)")
+                pos = torch.arange(warmup_rows) + seq_total - k_rows
+                summ = research.summarize_top_window(
+                    pages, q_rows[:, :warmup_rows], pos, scale, int(wtop.group(2)),
+                    int(wtop.group(3) or 0),
+                )  # fmt: skip
+                storage = ref.parse_stored_estimator(e)[1]
+                summaries[e] = summ if storage is None else ref.stored_summaries(summ, storage)
+                continue
             ztop = ZTOP_RE.match(e)
             if ztop:
                 summ = research.summarize_top_standardized(pages, int(ztop.group(2)))
@@ -368,7 +400,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                             q, pages[:n_in], scale, int(QTOP_RE.match(e).group(2)),
                             ref.parse_stored_estimator(e)[1],
                         )  # fmt: skip
-                elif ZTOP_RE.match(e):
+                elif ZTOP_RE.match(e) or WTOP_RE.match(e) or PTOP_RE.match(e):
                     est = ref.top_page_logmass(q, summaries[e][page_rows], scale)
                 elif sub:
                     summ = summaries[e][page_rows]

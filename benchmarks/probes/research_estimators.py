@@ -592,3 +592,60 @@ def query_chosen_logmass(
     if storage is not None:
         summ = ref.stored_summaries(summ, storage)
     return ref.top_page_logmass(query, summ, scale)
+
+
+# --------------------------------------------------------------------------
+# Stored keys chosen by an observation window of prompt queries (a prefill writer)
+# --------------------------------------------------------------------------
+def window_key_order(
+    pages: torch.Tensor, window_q: torch.Tensor, window_pos: torch.Tensor, scale: float,
+    r: int, l2_keys: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Token indices ``[n, H_kv, r]`` of the keys ``mvar_top{r}`` stores when the writer
+    summarizes the prompt's pages ``[n, H_kv, 64, D]`` at the end of prefill with the
+    prompt's last queries at hand (SnapKV's observation window): the first ``l2_keys`` by
+    L2 distance from the page mean (``ref.stored_key_order``), the other ``r - l2_keys``
+    the keys with the largest logit for some window query ``window_q`` ``[H_q, W, D]`` at
+    absolute positions ``window_pos`` ``[W]`` (causal: a key after a query's position is
+    not seen by it) over the group's query heads. No decode query is used."""
+    n, h_kv, page, d = pages.shape
+    x = window_q.float().view(h_kv, -1, window_q.shape[1], d) * scale  # [H, G, W, D]
+    logits = torch.einsum("hgwd,nhtd->nhgwt", x, pages.float())  # [n, H, G, W, 64]
+    key_pos = torch.arange(n * page).view(n, 1, 1, 1, page)
+    seen = key_pos <= window_pos.view(1, 1, 1, -1, 1)
+    score = torch.where(seen, logits, -math.inf).amax(dim=(2, 3))  # [n, H, 64]
+    if l2_keys:
+        first = ref.stored_key_order(pages, l2_keys)
+        score = score.scatter(-1, first, math.inf)  # taken first, the rest by the window
+    return score.topk(r, dim=-1).indices
+
+
+def summarize_top_window(
+    pages: torch.Tensor, window_q: torch.Tensor, window_pos: torch.Tensor, scale: float,
+    r: int, l2_keys: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` with the stored keys chosen by
+    :func:`window_key_order`."""
+    order = window_key_order(pages, window_q, window_pos, scale, r, l2_keys)
+    return summarize_top_by_order(pages, order)
+
+
+def projected_key_order(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """Token indices ``[n, H_kv, r]``: each page's ``r`` keys farthest (L2) from the page mean
+    once the ``k`` leading axes of the head's key covariance over all ``pages``
+    ``[n, H_kv, 64, D]`` are projected out (a per-head ``D x D`` projection a writer could
+    take from a calibration run): the loud shared axes (positional, massive channels) no
+    longer decide which keys count as far."""
+    pages = pages.float()
+    n, h_kv, page, d = pages.shape
+    allk = pages.transpose(0, 1).reshape(h_kv, n * page, d)
+    c = allk - allk.mean(1, keepdim=True)
+    _, u = torch.linalg.eigh(c.transpose(1, 2) @ c / c.shape[1])  # ascending
+    dev = pages - pages.mean(-2, keepdim=True)
+    rest = torch.einsum("nhtd,hdk->nhtk", dev, u[:, :, : d - k])
+    return torch.sort(rest.pow(2).sum(-1), dim=-1, descending=True, stable=True).indices[..., :r]
+
+
+def summarize_top_projected(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """``mvar_top{r}``'s layout with the stored keys chosen by :func:`projected_key_order`."""
+    return summarize_top_by_order(pages, projected_key_order(pages, r, k))

@@ -234,6 +234,8 @@ def test_new_families_run_on_a_synthetic_prompt_and_gated_refines_fewer_pages():
         "ubb2/int4:mvar_top8",
         "int8:ztop8",
         "int4:qtop16",
+        "int8:wtop8_4",
+        "int4:ptop16_4",
     ]
     stats = {}
     study.analyse(blob, 64**-0.5, estimators, [0.98], stats, "synthetic", warmup_rows=1)

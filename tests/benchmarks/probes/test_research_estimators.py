@@ -392,3 +392,35 @@ def test_query_chosen_keys_store_the_largest_logits():
     order = torch.tensor([[int(logits.argmax())]])
     summ = research.summarize_top_by_order(pages[3:4, :1], order.view(1, 1, 1))
     torch.testing.assert_close(chosen[0, :, 3], ref.top_page_logmass(query[:3], summ, SCALE)[0, :, 0])
+
+
+def test_window_chosen_keys_are_the_window_queries_largest_logits_and_causal():
+    pages, query, _ = _pages_and_exact(12)  # [n, 2, 64, D], 6 query heads
+    n = pages.shape[0]
+    window = torch.stack([query, -query], dim=1)  # [6, 2, D]: two window rows
+    last = n * ref.PAGE_SIZE - 1
+    pos = torch.tensor([last, last])  # both see every key
+    order = research.window_key_order(pages, window, pos, SCALE, 1)
+    x = window.view(2, 3, 2, D) * SCALE
+    logits = torch.einsum("hgwd,nhtd->nhgwt", x, pages).amax(dim=(2, 3))
+    assert torch.equal(order[..., 0], logits.argmax(-1))
+    # l2_keys first: mvar_top's farthest keys, then the window's
+    mixed = research.window_key_order(pages, window, pos, SCALE, 4, l2_keys=2)
+    l2_first = ref.stored_key_order(pages, 2).sort(-1).values
+    assert torch.equal(mixed[..., :2].sort(-1).values, l2_first)
+    # a window row at position p sees no key after p: the last page is unseen, its order
+    # falls back to the first tokens (all scores -inf, topk's ties)
+    early = research.window_key_order(pages, window, torch.tensor([last - 64, last - 64]), SCALE, 1)
+    assert torch.equal(early[:-1], order[:-1])
+    summ = research.summarize_top_window(pages, window, pos, SCALE, 8, 4)
+    assert summ.shape == (n, 2, 2 + 8, D)
+
+
+def test_projected_order_ignores_the_heads_loud_shared_axis():
+    gen = torch.Generator().manual_seed(5)
+    pages = torch.randn(4, 1, ref.PAGE_SIZE, D, generator=gen) * 0.1
+    pages[..., 0] += torch.randn(4, 1, ref.PAGE_SIZE, generator=gen) * 50.0  # loud axis 0
+    pages[2, 0, 9, 3] += 3.0  # key 9 of page 2: far out off the loud axis
+    assert 9 not in ref.stored_key_order(pages[2, 0], 4).tolist()
+    assert int(research.projected_key_order(pages, 4, 1)[2, 0, 0]) == 9
+    assert research.summarize_top_projected(pages, 8, 1).shape == (4, 1, 2 + 8, D)
