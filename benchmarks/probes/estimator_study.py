@@ -163,6 +163,45 @@ SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
 SUB_RE = re.compile(r"^sub(rem)?(\d+)$")
 
 
+#: ``ub<slack>/<base>``: ``base`` floored by its page's per-channel key box (int8, rounded
+#: outward): ``research.box_floor_logmass(base, box_max_logit, slack)``; ``ubb<slack>/<base>``:
+#: the box of the bulk only (``base`` a ``mvar_top{r}`` name; its ``r`` stored keys left out)
+BOX_FLOOR_RE = re.compile(r"^ub(b?)(\d+(?:\.\d+)?)/(.+)$")
+
+
+#: ``<storage>:ztop<r>``: ``mvar_top{r}`` with the stored keys chosen by their standardized
+#: distance from the page mean (``research.summarize_top_standardized``)
+ZTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?ztop(\d+)$")
+
+
+#: ``<storage>:qtop<r>``: ``mvar_top{r}`` with the stored keys the row's largest logits
+#: (``research.query_chosen_logmass``): the ceiling of any stored-key choice, not a writer
+QTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?qtop(\d+)$")
+
+
+#: ``<storage>:wtop<r>[_<l>]``: ``mvar_top{r}`` with the stored keys chosen at the end of
+#: prefill by the prompt's last queries, the rows ``--warmup-rows`` runs but does not count
+#: (``research.summarize_top_window``; the first ``l`` of them by L2 distance as mvar_top's)
+WTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?wtop(\d+)(?:_(\d+))?$")
+
+
+#: ``<storage>:ptop<r>_<k>``: ``mvar_top{r}`` with the stored keys the farthest from the page
+#: mean once the head's ``k`` leading key axes are projected out
+#: (``research.summarize_top_projected``)
+PTOP_RE = re.compile(r"^(?:(int8|int4|bf16):)?ptop(\d+)_(\d+)$")
+
+
+def parse_box_floor(name: str) -> tuple[str, float, bool] | None:
+    """``(base, slack, bulk box?)`` of a ``BOX_FLOOR_RE`` name, None for other names."""
+    m = BOX_FLOOR_RE.match(name)
+    if m is None:
+        return None
+    base = m.group(3)
+    if m.group(1) and ref.parse_stored_estimator(base)[0] not in ref.TOP_ESTIMATORS:
+        raise ValueError(f"ubb needs a mvar_top{{r}} base, got {base!r}")
+    return base, float(m.group(2)), bool(m.group(1))
+
+
 def parse_pc(name: str) -> tuple[int, int, str | None] | None:
     """``(r, k, cap rule or None)`` of a ``PC_RE`` name, None for other names."""
     m = PC_RE.match(name)
@@ -239,7 +278,11 @@ def base_estimators(estimators) -> list[str]:
     for e in estimators:
         two = parse_two_stage(e) or parse_spread_gated(e)
         anchored = parse_anchored(e)
-        for b in (two[0], two[1]) if two else (anchored[0],) if anchored else (e,):
+        floor = parse_box_floor(e)
+        for b in (
+            (two[0], two[1]) if two else (anchored[0],) if anchored
+            else (floor[0], e) if floor else (e,)
+        ):  # fmt: skip
             if b not in out:
                 out.append(b)
     return out
@@ -274,6 +317,39 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
         pages = keys_all[:, : n_full * H.PAGE].reshape(h_kv, n_full, H.PAGE, d).transpose(0, 1)
         summaries = {}
         for e in bases:  # "int8:mvar_top4": the summary as stored, then read back
+            floor = parse_box_floor(e)
+            if floor:  # the base's own summary is the base's entry
+                r = ref.TOP_ESTIMATORS[ref.parse_stored_estimator(floor[0])[0]] if floor[2] else 0
+                summaries[e] = research.store_box_int8(research.summarize_key_box(pages, r))
+                continue
+            if QTOP_RE.match(e):  # summarized per row, from the row's query
+                continue
+            ptop = PTOP_RE.match(e)
+            if ptop:
+                summ = research.summarize_top_projected(
+                    pages, int(ptop.group(2)), int(ptop.group(3))
+                )
+                storage = ref.parse_stored_estimator(e)[1]
+                summaries[e] = summ if storage is None else ref.stored_summaries(summ, storage)
+                continue
+            wtop = WTOP_RE.match(e)
+            if wtop:  # the window: the uncounted rows, at their absolute positions
+                if warmup_rows <= 0:
+                    raise ValueError(f"{e} needs --warmup-rows > 0 (its observation window)")
+                pos = torch.arange(warmup_rows) + seq_total - k_rows
+                summ = research.summarize_top_window(
+                    pages, q_rows[:, :warmup_rows], pos, scale, int(wtop.group(2)),
+                    int(wtop.group(3) or 0),
+                )  # fmt: skip
+                storage = ref.parse_stored_estimator(e)[1]
+                summaries[e] = summ if storage is None else ref.stored_summaries(summ, storage)
+                continue
+            ztop = ZTOP_RE.match(e)
+            if ztop:
+                summ = research.summarize_top_standardized(pages, int(ztop.group(2)))
+                storage = ref.parse_stored_estimator(e)[1]
+                summaries[e] = summ if storage is None else ref.stored_summaries(summ, storage)
+                continue
             sub = SUB_RE.match(e)
             if sub:
                 summaries[e] = research.summarize_sub_pages(pages, int(sub.group(2)))
@@ -312,7 +388,21 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                 pc = parse_pc(e)
                 sampled = SAMPLED_RE.match(e)
                 sub = SUB_RE.match(e)
-                if sub:
+                floor = parse_box_floor(e)
+                if floor:  # its base comes first in ``bases``
+                    bound = research.box_max_logit(q, summaries[e][page_rows], scale)
+                    est = research.box_floor_logmass(ests[floor[0]], bound, floor[1])
+                elif QTOP_RE.match(e):
+                    n_in = seq_len // H.PAGE  # full pages; the current page is exact below
+                    est = exact.clone()
+                    if n_in > 0:
+                        est[..., :n_in] = research.query_chosen_logmass(
+                            q, pages[:n_in], scale, int(QTOP_RE.match(e).group(2)),
+                            ref.parse_stored_estimator(e)[1],
+                        )  # fmt: skip
+                elif ZTOP_RE.match(e) or WTOP_RE.match(e) or PTOP_RE.match(e):
+                    est = ref.top_page_logmass(q, summaries[e][page_rows], scale)
+                elif sub:
                     summ = summaries[e][page_rows]
                     est = research.sub_page_logmass(q, summ, scale, rem=bool(sub.group(1)))
                 elif sampled:
@@ -546,6 +636,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_prompt_arguments(ap, prepare, "needle_mid")
     ap.add_argument("--prompts", type=int, default=1, help="seeds per (context, haystack, task)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="seeds first-seed .. first-seed + prompts - 1: other needles and "
+                    "haystack stretches than seed 0's, for held-out prompts")  # fmt: skip
     ap.add_argument("--last-k", type=int, default=16, help="teacher-forced rows per prompt")
     ap.add_argument("--estimators", nargs="+", default=ESTIMATORS)
     ap.add_argument("--gammas", type=float, nargs="+", default=GAMMAS)
@@ -560,17 +653,31 @@ def main() -> None:
     )
     args = ap.parse_args()
     t_start = time.time()
-    tok, model = H.load_model(prepare.prepare(model=args.model), threads=args.threads or None)
-    cfg = model.config  # Qwen2's config has no head_dim (it is hidden_size / query heads)
-    scale = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) ** -0.5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights: list = []  # (tokenizer, model): loaded only when a prompt has no capture yet
+
+    def tok_and_model() -> list:
+        if not weights:
+            weights.extend(
+                H.load_model(prepare.prepare(model=args.model), threads=args.threads or None)
+            )
+        return weights
+
     results, captures = [], []
     heat_all: dict | None = {} if args.heatmaps else None
     runs = [(c, hay, task, seed) for c in args.contexts for hay in args.haystacks
-            for task in args.tasks for seed in range(args.prompts)]  # fmt: skip
+            for task in args.tasks
+            for seed in range(args.first_seed, args.first_seed + args.prompts)]  # fmt: skip
     stats_by_ctx: dict = {}
     for j, (ctx, hay, task, seed) in enumerate(runs):
         label = f"{task}/{hay}/{ctx}/s{seed}"
+        cached = cache_path(args.model, task, hay, ctx, seed, args.last_k).is_file()
+        tok, model = (None, None) if cached else tok_and_model()
         blob = capture(tok, model, args.model, ctx, seed, args.last_k, task, hay)
+        # the softmax scale 1 / sqrt(head dim), from the captured queries [H_q, K, D]: the
+        # same as the config's (Qwen2's config has no head_dim; hidden_size / query heads)
+        scale = next(iter(blob["layers"].values()))["q"].shape[-1] ** -0.5
         captures.append(
             {
                 "prompt": label,
@@ -605,7 +712,7 @@ def main() -> None:
         "seconds": round(time.time() - t_start, 1),
     }
     if heat_all is not None:
-        out["kept_fraction_variation_gamma_0.98"] = heat_maps(model.config, heat_all, args)
+        out["kept_fraction_variation_gamma_0.98"] = heat_maps(tok_and_model()[1].config, heat_all, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out} ({time.time() - t_start:.0f}s)")

@@ -40,15 +40,18 @@ def box_page_logmass(
     An upper bound of the exact log-mass (64 keys, each at most the box's
     largest logit). ``page_summaries`` is ``[n, H_kv, 4, D]``; returns ``[H_kv, G, n]``.
     """
-    h_kv = page_summaries.shape[1]
+    return box_max_logit(query, page_summaries[:, :, 2:4], scale) + math.log(ref.PAGE_SIZE)
+
+
+def box_max_logit(query: torch.Tensor, box: torch.Tensor, scale: float) -> torch.Tensor:
+    """``sum_d max(x_d lo_d, x_d hi_d)`` with ``x = s q``: at least every logit of the keys
+    the box ``[n, H_kv, 2, D]`` (per-channel min, max) holds. Returns ``[H_kv, G, n]``."""
+    h_kv = box.shape[1]
     q = query.float().view(h_kv, -1, query.shape[-1]) * scale  # [H, G, D]
-    lo = page_summaries[:, :, 2].float()  # [n, H, D]
-    hi = page_summaries[:, :, 3].float()
     qe = q.unsqueeze(2)  # [H, G, 1, D]
-    lo_t = lo.permute(1, 0, 2).unsqueeze(1)  # [H, 1, n, D]
-    hi_t = hi.permute(1, 0, 2).unsqueeze(1)
-    bound = torch.maximum(qe * lo_t, qe * hi_t).sum(-1)
-    return bound + math.log(ref.PAGE_SIZE)
+    lo_t = box[:, :, 0].float().permute(1, 0, 2).unsqueeze(1)  # [H, 1, n, D]
+    hi_t = box[:, :, 1].float().permute(1, 0, 2).unsqueeze(1)
+    return torch.maximum(qe * lo_t, qe * hi_t).sum(-1)
 
 
 def bennett_page_logmass(
@@ -500,3 +503,149 @@ def sub_page_logmass(
     v = torch.einsum("hgd,nhjd->hgnj", x * x, runs[:, :, :, 1])
     spread = ref.rem_spread(v, count) if rem else 0.5 * v
     return torch.logsumexp(mean_term + spread + math.log(count), dim=-1)
+
+
+# --------------------------------------------------------------------------
+# A floor under the first stage from a per-channel box: every key is seen
+# --------------------------------------------------------------------------
+def summarize_key_box(pages: torch.Tensor, r: int = 0) -> torch.Tensor:
+    """Per-channel min and max of each page's keys ``[..., 64, D]``: ``[..., 2, D]`` fp32.
+
+    ``r > 0``: of the bulk only (``mvar_top{r}``'s stored keys left out): the estimate reads
+    those exactly, and the few keys farthest from the mean are what widens the box most.
+    """
+    pages = pages.float()
+    if r == 0:
+        return torch.stack([pages.amin(dim=-2), pages.amax(dim=-2)], dim=-2)
+    bulk = bulk_mask(pages, r).unsqueeze(-1)
+    inf = torch.tensor(math.inf)
+    lo = torch.where(bulk, pages, inf).amin(dim=-2)
+    hi = torch.where(bulk, pages, -inf).amax(dim=-2)
+    return torch.stack([lo, hi], dim=-2)
+
+
+def store_box_int8(box: torch.Tensor) -> torch.Tensor:
+    """A ``summarize_key_box`` box as int8 gives it back, rounded outward (min down, max up)
+    so that it still holds every key: one scale per row, ``absmax / 127``, like the other
+    int8 summary rows; ``[..., 2, D]`` fp32."""
+    scale = box.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127.0
+    lo = torch.floor(box[..., :1, :] / scale[..., :1, :]).clamp(-127, 127)
+    hi = torch.ceil(box[..., 1:, :] / scale[..., 1:, :]).clamp(-127, 127)
+    return torch.cat([lo, hi], dim=-2) * scale
+
+
+def box_floor_logmass(base: torch.Tensor, bound: torch.Tensor, slack: float) -> torch.Tensor:
+    """``logaddexp(base, bound - slack)``: the first stage's log-masses ``[H_kv, G, n]``
+    floored by the box's largest possible logit ``bound`` (:func:`box_max_logit`) less
+    ``slack`` nats. A page whose one large key the base misses (not stored, drowned in the
+    bulk's mean and variance) still scores near that key's logit when the box is tight in
+    the query's direction; ``slack`` trades those pages against the pages the loose bound
+    over-states (reads)."""
+    return torch.logaddexp(base, bound - slack)
+
+
+def standardized_key_order(pages: torch.Tensor, r: int) -> torch.Tensor:
+    """Token indices ``[..., r]`` of the ``r`` keys of each page ``[..., 64, D]`` farthest from
+    the page mean with each channel divided by its spread over the page (``sum_d z_d^2``,
+    largest first): unlike ``ref.stored_key_order`` (plain L2), a key far out in a quiet
+    channel, where a query weighting that channel finds a large logit, outranks keys that
+    are merely far in the loud channels every key varies in."""
+    pages = pages.float()
+    dev = pages - pages.mean(dim=-2, keepdim=True)
+    spread = dev.pow(2).mean(dim=-2, keepdim=True).sqrt().clamp_min(1e-6)
+    dist = (dev / spread).pow(2).sum(dim=-1)  # [..., 64]
+    return torch.sort(dist, dim=-1, descending=True, stable=True).indices[..., :r]
+
+
+def summarize_top_standardized(pages: torch.Tensor, r: int) -> torch.Tensor:
+    """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` (bulk mean, bulk variance, stored keys)
+    with the stored keys chosen by :func:`standardized_key_order`."""
+    return summarize_top_by_order(pages, standardized_key_order(pages, r))
+
+
+def summarize_top_by_order(pages: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` with the stored keys the tokens ``order``
+    ``[..., r]`` of each page ``[..., 64, D]`` (in that order) and the rest the bulk."""
+    pages = pages.float()
+    r = order.shape[-1]
+    stored = torch.gather(pages, -2, order.unsqueeze(-1).expand(*order.shape, pages.shape[-1]))
+    bulk = torch.ones(pages.shape[:-1], dtype=torch.bool).scatter(-1, order, False)
+    weight = bulk.unsqueeze(-1).float()
+    mean = (pages * weight).sum(dim=-2) / (ref.PAGE_SIZE - r)
+    var = (((pages - mean.unsqueeze(-2)) * weight) ** 2).sum(dim=-2) / (ref.PAGE_SIZE - r)
+    return torch.cat([mean.unsqueeze(-2), var.unsqueeze(-2), stored], dim=-2)
+
+
+def query_chosen_logmass(
+    query: torch.Tensor, pages: torch.Tensor, scale: float, r: int, storage: str | None
+) -> torch.Tensor:
+    """A ceiling for any rule that picks which keys ``mvar_top{r}`` stores: the ``r`` keys of
+    each page ``[n, H_kv, 64, D]`` with the largest logit for this row's query (the largest
+    over the group's query heads) stored, the rest the bulk, the summary as ``storage``
+    (``ref.SUMMARY_DTYPES`` or None) gives it back; ``[H_kv, G, n]``. Not a writer's rule:
+    the writer summarizes a page long before the queries that read it."""
+    h_kv, d = pages.shape[1], pages.shape[-1]
+    x = query.float().view(h_kv, -1, d) * scale
+    logits = torch.einsum("hgd,nhtd->nhgt", x, pages.float()).amax(dim=2)  # [n, H, 64]
+    order = logits.topk(r, dim=-1).indices
+    summ = summarize_top_by_order(pages, order)
+    if storage is not None:
+        summ = ref.stored_summaries(summ, storage)
+    return ref.top_page_logmass(query, summ, scale)
+
+
+# --------------------------------------------------------------------------
+# Stored keys chosen by an observation window of prompt queries (a prefill writer)
+# --------------------------------------------------------------------------
+def window_key_order(
+    pages: torch.Tensor, window_q: torch.Tensor, window_pos: torch.Tensor, scale: float,
+    r: int, l2_keys: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Token indices ``[n, H_kv, r]`` of the keys ``mvar_top{r}`` stores when the writer
+    summarizes the prompt's pages ``[n, H_kv, 64, D]`` at the end of prefill with the
+    prompt's last queries at hand (SnapKV's observation window): the first ``l2_keys`` by
+    L2 distance from the page mean (``ref.stored_key_order``), the other ``r - l2_keys``
+    the keys with the largest logit for some window query ``window_q`` ``[H_q, W, D]`` at
+    absolute positions ``window_pos`` ``[W]`` (causal: a key after a query's position is
+    not seen by it) over the group's query heads. No decode query is used."""
+    n, h_kv, page, d = pages.shape
+    x = window_q.float().view(h_kv, -1, window_q.shape[1], d) * scale  # [H, G, W, D]
+    logits = torch.einsum("hgwd,nhtd->nhgwt", x, pages.float())  # [n, H, G, W, 64]
+    key_pos = torch.arange(n * page).view(n, 1, 1, 1, page)
+    seen = key_pos <= window_pos.view(1, 1, 1, -1, 1)
+    score = torch.where(seen, logits, -math.inf).amax(dim=(2, 3))  # [n, H, 64]
+    if l2_keys:
+        first = ref.stored_key_order(pages, l2_keys)
+        score = score.scatter(-1, first, math.inf)  # taken first, the rest by the window
+    return score.topk(r, dim=-1).indices
+
+
+def summarize_top_window(
+    pages: torch.Tensor, window_q: torch.Tensor, window_pos: torch.Tensor, scale: float,
+    r: int, l2_keys: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` with the stored keys chosen by
+    :func:`window_key_order`."""
+    order = window_key_order(pages, window_q, window_pos, scale, r, l2_keys)
+    return summarize_top_by_order(pages, order)
+
+
+def projected_key_order(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """Token indices ``[n, H_kv, r]``: each page's ``r`` keys farthest (L2) from the page mean
+    once the ``k`` leading axes of the head's key covariance over all ``pages``
+    ``[n, H_kv, 64, D]`` are projected out (a per-head ``D x D`` projection a writer could
+    take from a calibration run): the loud shared axes (positional, massive channels) no
+    longer decide which keys count as far."""
+    pages = pages.float()
+    n, h_kv, page, d = pages.shape
+    allk = pages.transpose(0, 1).reshape(h_kv, n * page, d)
+    c = allk - allk.mean(1, keepdim=True)
+    _, u = torch.linalg.eigh(c.transpose(1, 2) @ c / c.shape[1])  # ascending
+    dev = pages - pages.mean(-2, keepdim=True)
+    rest = torch.einsum("nhtd,hdk->nhtk", dev, u[:, :, : d - k])
+    return torch.sort(rest.pow(2).sum(-1), dim=-1, descending=True, stable=True).indices[..., :r]
+
+
+def summarize_top_projected(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
+    """``mvar_top{r}``'s layout with the stored keys chosen by :func:`projected_key_order`."""
+    return summarize_top_by_order(pages, projected_key_order(pages, r, k))

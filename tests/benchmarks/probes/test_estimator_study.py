@@ -206,6 +206,17 @@ def test_parse_spread_gated_and_pc_names():
     assert study.base_estimators(["2v/int8:mvar_top8/oracle/2/1"]) == ["int8:mvar_top8", "oracle"]
 
 
+def test_parse_box_floor_names_and_their_bases_come_first():
+    assert study.parse_box_floor("ub4/int8:mvar_top8") == ("int8:mvar_top8", 4.0, False)
+    assert study.parse_box_floor("ubb2.5/int4:mvar_top8") == ("int4:mvar_top8", 2.5, True)
+    assert study.parse_box_floor("int8:mvar_top8") is None
+    with pytest.raises(ValueError, match="ubb"):
+        study.parse_box_floor("ubb2/mvar_rem")
+    assert study.base_estimators(["ub4/int8:mvar_top8", "int8:mvar_top8"]) == [
+        "int8:mvar_top8", "ub4/int8:mvar_top8"
+    ]  # fmt: skip
+
+
 def test_new_families_run_on_a_synthetic_prompt_and_gated_refines_fewer_pages():
     torch = pytest.importorskip("torch")
     blob = _synthetic_blob(torch, seq=600, k_rows=3)
@@ -219,6 +230,12 @@ def test_new_families_run_on_a_synthetic_prompt_and_gated_refines_fewer_pages():
         "top8_pc2",
         "top8_pc2_max",
         "fb/int8:mvar_top8/h1",
+        "ub4/int8:mvar_top8",
+        "ubb2/int4:mvar_top8",
+        "int8:ztop8",
+        "int4:qtop16",
+        "int8:wtop8_4",
+        "int4:ptop16_4",
     ]
     stats = {}
     study.analyse(blob, 64**-0.5, estimators, [0.98], stats, "synthetic", warmup_rows=1)

@@ -342,3 +342,85 @@ def test_sub_page_estimate_spans_mvar_to_the_exact_mass():
     assert torch.allclose(four[:, :, 2], pages[:, :, 16:32].mean(dim=-2))
     with pytest.raises(ValueError, match="must divide"):
         research.summarize_sub_pages(pages, 3)
+
+
+def test_box_floor_sees_a_key_the_top_estimate_misses():
+    pages, query, exact = _pages_and_exact(11)
+    # every bulk key's logit is under the bulk box's bound, stored int8 (rounded outward)
+    box = research.store_box_int8(research.summarize_key_box(pages, 8))
+    bound = research.box_max_logit(query, box, SCALE)  # [H, G, n]
+    bulk = research.bulk_mask(pages, 8)  # [n, H, 64]
+    h_kv = pages.shape[1]
+    logits = torch.einsum("hgd,nhtd->hgnt", query.view(h_kv, -1, D) * SCALE, pages)
+    bulk_logits = torch.where(bulk.permute(1, 0, 2).unsqueeze(1), logits, -math.inf)
+    assert bool((bound >= bulk_logits.amax(-1) - 1e-5).all())
+    # the full box holds every key, so its bound is at least the bulk's
+    full = research.store_box_int8(research.summarize_key_box(pages))
+    assert bool((research.box_max_logit(query, full, SCALE) >= bound - 1e-5).all())
+    base = ref.top_page_logmass(query, ref.summarize_key_pages_top(pages, 8), SCALE)
+    floored = research.box_floor_logmass(base, bound, 4.0)
+    assert bool((floored >= base).all()) and bool((floored >= bound - 4.0).all())
+    # a huge slack leaves the base as it was
+    torch.testing.assert_close(research.box_floor_logmass(base, bound, 1e4), base)
+
+
+def test_standardized_order_prefers_a_key_far_out_in_a_quiet_channel():
+    gen = torch.Generator().manual_seed(3)
+    page = torch.randn(ref.PAGE_SIZE, D, generator=gen) * 0.1
+    page[:, 0] *= 100.0  # a loud channel: every key is far out in it
+    page[7, 5] += 2.0  # key 7: far out (20 sigma) in a quiet channel
+    assert 7 not in ref.stored_key_order(page, 4).tolist()
+    assert research.standardized_key_order(page, 4)[0] == 7
+    summ = research.summarize_top_standardized(page.unsqueeze(0), 4)[0]
+    assert summ.shape == (2 + 4, D)
+    torch.testing.assert_close(summ[2], page[7])
+    rest = torch.ones(ref.PAGE_SIZE, dtype=torch.bool)
+    rest[research.standardized_key_order(page, 4)] = False
+    torch.testing.assert_close(summ[0], page[rest].mean(0))
+    torch.testing.assert_close(summ[1], page[rest].var(0, unbiased=False))
+
+
+def test_query_chosen_keys_store_the_largest_logits():
+    pages, query, exact = _pages_and_exact(12)
+    # all but one key stored: the bulk is one key, its variance 0, so the mass is exact
+    got = research.query_chosen_logmass(query, pages, SCALE, ref.PAGE_SIZE - 1, None)
+    torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5)
+    # the planted outlier (page 3, head 0, token 5) is stored when it tops the logits
+    x = query.view(2, 3, D) * SCALE
+    logits = torch.einsum("gd,td->gt", x[0], pages[3, 0]).amax(0)
+    chosen = research.query_chosen_logmass(query, pages, SCALE, 1, None)
+    order = torch.tensor([[int(logits.argmax())]])
+    summ = research.summarize_top_by_order(pages[3:4, :1], order.view(1, 1, 1))
+    torch.testing.assert_close(chosen[0, :, 3], ref.top_page_logmass(query[:3], summ, SCALE)[0, :, 0])
+
+
+def test_window_chosen_keys_are_the_window_queries_largest_logits_and_causal():
+    pages, query, _ = _pages_and_exact(12)  # [n, 2, 64, D], 6 query heads
+    n = pages.shape[0]
+    window = torch.stack([query, -query], dim=1)  # [6, 2, D]: two window rows
+    last = n * ref.PAGE_SIZE - 1
+    pos = torch.tensor([last, last])  # both see every key
+    order = research.window_key_order(pages, window, pos, SCALE, 1)
+    x = window.view(2, 3, 2, D) * SCALE
+    logits = torch.einsum("hgwd,nhtd->nhgwt", x, pages).amax(dim=(2, 3))
+    assert torch.equal(order[..., 0], logits.argmax(-1))
+    # l2_keys first: mvar_top's farthest keys, then the window's
+    mixed = research.window_key_order(pages, window, pos, SCALE, 4, l2_keys=2)
+    l2_first = ref.stored_key_order(pages, 2).sort(-1).values
+    assert torch.equal(mixed[..., :2].sort(-1).values, l2_first)
+    # a window row at position p sees no key after p: the last page is unseen, its order
+    # falls back to the first tokens (all scores -inf, topk's ties)
+    early = research.window_key_order(pages, window, torch.tensor([last - 64, last - 64]), SCALE, 1)
+    assert torch.equal(early[:-1], order[:-1])
+    summ = research.summarize_top_window(pages, window, pos, SCALE, 8, 4)
+    assert summ.shape == (n, 2, 2 + 8, D)
+
+
+def test_projected_order_ignores_the_heads_loud_shared_axis():
+    gen = torch.Generator().manual_seed(5)
+    pages = torch.randn(4, 1, ref.PAGE_SIZE, D, generator=gen) * 0.1
+    pages[..., 0] += torch.randn(4, 1, ref.PAGE_SIZE, generator=gen) * 50.0  # loud axis 0
+    pages[2, 0, 9, 3] += 3.0  # key 9 of page 2: far out off the loud axis
+    assert 9 not in ref.stored_key_order(pages[2, 0], 4).tolist()
+    assert int(research.projected_key_order(pages, 4, 1)[2, 0, 0]) == 9
+    assert research.summarize_top_projected(pages, 8, 1).shape == (4, 1, 2 + 8, D)
