@@ -254,19 +254,14 @@ MANIFEST: list[dict] = [
                 "path": "estimator/estimator_heldout_smollm2.json",
                 "commit": "d1a4e30",
                 "device": "CPU",
-                "filter": {"gamma": [0.98], "seeds": ["1"], "counted_rows_per_prompt": [16],
-                           "estimator": ["oracle", "int8:mvar_top8", "int4:ptop32_4",
-                                         "int8:qtop8"]},  # fmt: skip
+                "filter": {
+                    "gamma": [0.98],
+                    "seeds": ["1"],
+                    "counted_rows_per_prompt": [16],
+                    "estimator": ["int8:mvar_top8", "int4:ptop32_4", "int8:qtop8"],
+                },  # fmt: skip
                 "note": "held-out prompts (seed 1); candidate first stages, bytes and the "
                 "seed-2 validation in the record",
-            },
-            {
-                "path": "estimator/estimator_candidates_qwen_4k.json",
-                "commit": "d1a4e30",
-                "device": "CPU",
-                "filter": {"gamma": [0.98], "counted_rows_per_prompt": [16],
-                           "estimator": ["oracle", "int8:mvar_top8", "int4:ptop32_4"]},  # fmt: skip
-                "note": "seed-0 prompts (not held-out): a check on the other model",
             },
         ],
     },  # fmt: skip

@@ -712,7 +712,9 @@ def main() -> None:
         "seconds": round(time.time() - t_start, 1),
     }
     if heat_all is not None:
-        out["kept_fraction_variation_gamma_0.98"] = heat_maps(tok_and_model()[1].config, heat_all, args)
+        out["kept_fraction_variation_gamma_0.98"] = heat_maps(
+            tok_and_model()[1].config, heat_all, args
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out} ({time.time() - t_start:.0f}s)")

@@ -391,7 +391,9 @@ def test_query_chosen_keys_store_the_largest_logits():
     chosen = research.query_chosen_logmass(query, pages, SCALE, 1, None)
     order = torch.tensor([[int(logits.argmax())]])
     summ = research.summarize_top_by_order(pages[3:4, :1], order.view(1, 1, 1))
-    torch.testing.assert_close(chosen[0, :, 3], ref.top_page_logmass(query[:3], summ, SCALE)[0, :, 0])
+    torch.testing.assert_close(
+        chosen[0, :, 3], ref.top_page_logmass(query[:3], summ, SCALE)[0, :, 0]
+    )
 
 
 def test_window_chosen_keys_are_the_window_queries_largest_logits_and_causal():
