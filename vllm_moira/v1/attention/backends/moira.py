@@ -55,20 +55,17 @@ from vllm.v1.attention.backends.flash_attn import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ...worker.moira_summaries import (
+# MOIRA_SUMMARY_DTYPES (an option's values) and summary_storage (the kernel API's) re-exported.
+from ...worker.moira_summaries import (  # noqa: F401
     MOIRA_PAGE_SIZE,
+    MOIRA_SUMMARY_DTYPES,
     acquire_summaries,
     release_summaries,
     summaries_in_kv_pages,
     summary_bytes_for_kv_bytes,
     summary_key,
     summary_padded_spec,
-)
-from ...worker.moira_summaries import (
-    MOIRA_SUMMARY_DTYPES as MOIRA_SUMMARY_DTYPES,  # re-exported with the other options
-)
-from ...worker.moira_summaries import (
-    summary_storage as summary_storage,  # re-exported: the kernel API names it
+    summary_storage,
 )
 from .moira_audit import MoiraAudit, make_stats_counters, switch_audit  # noqa: F401
 
@@ -413,12 +410,10 @@ def _summarize_page(
         _store_summary_slot(out, scales, 1, bulk_var, HEAD_SIZE, INT8)
 
 
-# The slot mapping of a mixed step's prefill slice starts after the decode
-# tokens (8 bytes each), so its address is 16-byte aligned only for an even
-# number of them; Triton would compile a second variant of the kernel for the
-# other case, at the first such step of a serving run (one load per program:
-# alignment buys nothing). num_tokens changes every step: not specialized
-# either (Triton specializes integers equal to 1 or divisible by 16).
+# A mixed step's prefill slot mapping starts after the decode tokens (8 bytes
+# each): 16-byte aligned only for an even count, and Triton would compile a second
+# variant at the first odd step of a serving run (one load per program: alignment
+# buys nothing). num_tokens changes every step: not specialized either.
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def kernel_moira_write_summaries(
     kv_cache_ptr,  # [num_blocks, num_kv_heads, PAGE_SIZE, 2 * HEAD_SIZE] bf16 (fp8 if KV_FP8)
@@ -2253,15 +2248,13 @@ def moira_decode(
 
 
 # ==========================================================================
-# vLLM backend: MoiraMetadata -> MoiraMetadataBuilder -> MoiraBackend ->
-# MoiraImpl.
+# vLLM backend: MoiraMetadata -> MoiraMetadataBuilder -> MoiraBackend -> MoiraImpl.
 #
-# Moira reuses FlashAttention for everything it does not replace: the KV
-# cache layout and scatter (do_kv_cache_update), and FA3 for prefill rows.
-# Decode rows (one query token each) go to moira_decode. Decode rows come
-# first in the batch (reorder threshold 1), so the split is two contiguous
-# slices and FA3 never sees the decode rows (FA3 writes zeros for rows with
-# nothing to attend to, so it must not be handed zero-length decode rows).
+# Moira reuses FlashAttention for everything it does not replace: the KV cache
+# layout and scatter (do_kv_cache_update), and FA3 for prefill rows. Decode rows
+# (one query token each) go to moira_decode. They come first in the batch (reorder
+# threshold 1), so the split is two contiguous slices and FA3 never sees them (FA3
+# writes zeros for rows with nothing to attend to: no zero-length decode rows).
 # ==========================================================================
 
 #: The builder reads read_stats back for logs and /metrics every this many
