@@ -258,10 +258,24 @@ MANIFEST: list[dict] = [
                     "gamma": [0.98],
                     "seeds": ["1"],
                     "counted_rows_per_prompt": [16],
-                    "estimator": ["int8:mvar_top8", "int4:ptop32_4", "int8:qtop8"],
+                    "estimator": ["int8:mvar_top8", "int8:qtop8"],
                 },  # fmt: skip
-                "note": "held-out prompts (seed 1); candidate first stages, bytes and the "
-                "seed-2 validation in the record",
+                "note": "held-out prompts (seed 1); the query-chosen ceiling `qtop8`, the other "
+                "candidate first stages, bytes and the seed-2 validation in the record",
+            },
+            {
+                "path": "estimator/estimator_heldout_qwen_8k.json",
+                "commit": "ff5cdb7",
+                "device": "CPU",
+                "filter": {
+                    "gamma": [0.98],
+                    "estimator": [
+                        "int8:mvar_top8",
+                        "int4:mvar_top8",
+                        "2v/int8:mvar_top8/oracle/3/0.75",
+                    ],
+                },  # fmt: skip
+                "note": "held-out prompts (seed 1); gamma 0.99 in the record",
             },
         ],
     },  # fmt: skip
