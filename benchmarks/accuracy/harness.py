@@ -134,7 +134,7 @@ def _param_estimator(query, summ, scale, name):
     val = float(val)
     mvar = ref.mvar_page_logmass(query, summ[:, :, :2], scale)
     if kind == "ext":  # mvar plus one key at the box's max-logit bound, minus delta
-        box_max = research.box_page_logmass(query, summ, scale) - math.log(PAGE)
+        box_max = research.box_max_logit(query, summ[:, :, 2:4], scale)
         return torch.logaddexp(mvar, box_max - val)
     if kind == "vscale":  # variance term scaled by alpha
         base = ref.mvar_page_logmass(

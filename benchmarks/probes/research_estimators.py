@@ -560,20 +560,7 @@ def standardized_key_order(pages: torch.Tensor, r: int) -> torch.Tensor:
 def summarize_top_standardized(pages: torch.Tensor, r: int) -> torch.Tensor:
     """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` (bulk mean, bulk variance, stored keys)
     with the stored keys chosen by :func:`standardized_key_order`."""
-    return summarize_top_by_order(pages, standardized_key_order(pages, r))
-
-
-def summarize_top_by_order(pages: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` with the stored keys the tokens ``order``
-    ``[..., r]`` of each page ``[..., 64, D]`` (in that order) and the rest the bulk."""
-    pages = pages.float()
-    r = order.shape[-1]
-    stored = torch.gather(pages, -2, order.unsqueeze(-1).expand(*order.shape, pages.shape[-1]))
-    bulk = torch.ones(pages.shape[:-1], dtype=torch.bool).scatter(-1, order, False)
-    weight = bulk.unsqueeze(-1).float()
-    mean = (pages * weight).sum(dim=-2) / (ref.PAGE_SIZE - r)
-    var = (((pages - mean.unsqueeze(-2)) * weight) ** 2).sum(dim=-2) / (ref.PAGE_SIZE - r)
-    return torch.cat([mean.unsqueeze(-2), var.unsqueeze(-2), stored], dim=-2)
+    return ref.summarize_key_pages_by_order(pages, standardized_key_order(pages, r))
 
 
 def query_chosen_logmass(
@@ -588,7 +575,7 @@ def query_chosen_logmass(
     x = query.float().view(h_kv, -1, d) * scale
     logits = torch.einsum("hgd,nhtd->nhgt", x, pages.float()).amax(dim=2)  # [n, H, 64]
     order = logits.topk(r, dim=-1).indices
-    summ = summarize_top_by_order(pages, order)
+    summ = ref.summarize_key_pages_by_order(pages, order)
     if storage is not None:
         summ = ref.stored_summaries(summ, storage)
     return ref.top_page_logmass(query, summ, scale)
@@ -627,7 +614,7 @@ def summarize_top_window(
     """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` with the stored keys chosen by
     :func:`window_key_order`."""
     order = window_key_order(pages, window_q, window_pos, scale, r, l2_keys)
-    return summarize_top_by_order(pages, order)
+    return ref.summarize_key_pages_by_order(pages, order)
 
 
 def projected_key_order(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
@@ -648,4 +635,4 @@ def projected_key_order(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
 
 def summarize_top_projected(pages: torch.Tensor, r: int, k: int) -> torch.Tensor:
     """``mvar_top{r}``'s layout with the stored keys chosen by :func:`projected_key_order`."""
-    return summarize_top_by_order(pages, projected_key_order(pages, r, k))
+    return ref.summarize_key_pages_by_order(pages, projected_key_order(pages, r, k))

@@ -390,7 +390,7 @@ def test_query_chosen_keys_store_the_largest_logits():
     logits = torch.einsum("gd,td->gt", x[0], pages[3, 0]).amax(0)
     chosen = research.query_chosen_logmass(query, pages, SCALE, 1, None)
     order = torch.tensor([[int(logits.argmax())]])
-    summ = research.summarize_top_by_order(pages[3:4, :1], order.view(1, 1, 1))
+    summ = ref.summarize_key_pages_by_order(pages[3:4, :1], order.view(1, 1, 1))
     torch.testing.assert_close(
         chosen[0, :, 3], ref.top_page_logmass(query[:3], summ, SCALE)[0, :, 0]
     )

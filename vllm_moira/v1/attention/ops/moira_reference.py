@@ -635,8 +635,14 @@ def summarize_key_pages_top(pages: torch.Tensor, r: int) -> torch.Tensor:
     """
     if not 0 < r < PAGE_SIZE:
         raise ValueError(f"r must be in 1..{PAGE_SIZE - 1}, got {r}")
+    return summarize_key_pages_by_order(pages, stored_key_order(pages.float(), r))
+
+
+def summarize_key_pages_by_order(pages: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``mvar_top{r}``'s layout ``[..., 2 + r, D]`` fp32 with the stored keys the tokens
+    ``order`` ``[..., r]`` of each page ``[..., 64, D]`` (in that order), the rest the bulk."""
     pages = pages.float()
-    order = stored_key_order(pages, r)
+    r = order.shape[-1]
     top = torch.gather(pages, -2, order.unsqueeze(-1).expand(*order.shape, pages.shape[-1]))
     bulk = torch.ones(pages.shape[:-1], dtype=torch.bool, device=pages.device)
     bulk = bulk.scatter(-1, order, False).unsqueeze(-1)
