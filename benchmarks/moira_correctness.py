@@ -240,6 +240,15 @@ def dense_reference_rows(case, rows):
 # --------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------
+def selected_lists(page_list, list_lengths):
+    """Page lists as Select left them: each (row, KV head) list up to its length, -1 past
+    it. Entries past a list's length are not part of the step's output (the workspace is
+    allocated with torch.empty and Select writes only the list), so lists compare by this,
+    never by the raw buffer."""
+    positions = torch.arange(page_list.shape[-1], device=page_list.device)
+    return torch.where(positions < list_lengths[..., None], page_list, -1)
+
+
 def check_gamma_one(case, config=None):
     """``config`` (gamma must be 1): default MoiraConfig.paper(gamma=1.0)."""
     config = config or moira.MoiraConfig.paper(gamma=1.0)
@@ -299,15 +308,18 @@ def check_graph_replay(case, gamma=0.98, config=None):
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-        lists_replayed = ws.page_list.clone(), ws.list_lengths.clone()
+        lists_replayed = (selected_lists(ws.page_list, ws.list_lengths),
+                          ws.list_lengths.clone())  # fmt: skip
         out.fill_(float("nan"))
         step()
         torch.cuda.synchronize()
         results[name] = {
             "bitwise_equal": bool(torch.equal(replayed, out)),
-            "lists_equal": bool(torch.equal(lists_replayed[1], ws.list_lengths)
-                                and torch.equal(lists_replayed[0], ws.page_list)),
-        }  # fmt: skip
+            "lists_equal": bool(
+                torch.equal(lists_replayed[1], ws.list_lengths)
+                and torch.equal(lists_replayed[0], selected_lists(ws.page_list, ws.list_lengths))
+            ),
+        }
     case["seq"].copy_(original_seq)
     case["query"].copy_(original_query)
     return results
@@ -340,7 +352,8 @@ def check_dependent_launches(case, config=None):
         else:
             two_steps(ws)
         torch.cuda.synchronize()
-        return [o.clone() for o in outs] + [ws.page_list.clone(), ws.list_lengths.clone()]
+        return [o.clone() for o in outs] + [selected_lists(ws.page_list, ws.list_lengths),
+                                            ws.list_lengths.clone()]  # fmt: skip
 
     plain = run(workspace(case, config, with_launch(step={"pdl": False})))
     ws = workspace(case, config, with_launch(step={"pdl": True}))
@@ -741,7 +754,7 @@ def sweep_estimate_and_select(case, ws):
 
 def _same_lists_after(run, ws, batch, reference) -> bool:
     """Runs ``run`` (which writes ws's page lists) and says whether the counts of
-    rows ``[:batch]``, and their lists up to the longest, equal ``reference`` =
+    rows ``[:batch]``, and their lists (``selected_lists``), equal ``reference`` =
     (lists, counts); the counts are poisoned first, so a run that writes nothing
     does not pass."""
     ws.list_lengths[:batch].fill_(-1)
@@ -749,8 +762,8 @@ def _same_lists_after(run, ws, batch, reference) -> bool:
     counts = ws.list_lengths[:batch]
     if not torch.equal(counts, reference[1]):
         return False
-    width = int(counts.max())
-    return bool(torch.equal(ws.page_list[:batch, :, :width], reference[0][:, :, :width]))
+    return bool(torch.equal(selected_lists(ws.page_list[:batch], counts),
+                            selected_lists(*reference)))  # fmt: skip
 
 
 def sweep_select_launch(ws, select, batch):

@@ -120,3 +120,20 @@ def test_same_lists_after_compares_counts_then_lists_up_to_the_longest():
     assert not mc._same_lists_after(writes(page_differs, counts), ws, 2, reference)
     assert not mc._same_lists_after(writes(lists, counts + 1), ws, 2, reference)
     assert not mc._same_lists_after(lambda: None, ws, 2, reference)  # writes nothing
+
+
+def test_selected_lists_ignore_entries_past_each_length():
+    # Two workspaces allocated with torch.empty hold different bits past each list's
+    # end; the lists themselves are what the step computed and what checks compare.
+    lengths = torch.tensor([[2, 0], [3, 1]])
+    lists = torch.tensor([[[0, 4, 9], [5, 5, 5]], [[0, 2, 3], [7, 1, 1]]])
+    other_tail = lists.clone()
+    other_tail[0, 0, 2], other_tail[0, 1, 0], other_tail[1, 1, 2] = 42, 42, 42
+    assert torch.equal(mc.selected_lists(lists, lengths), mc.selected_lists(other_tail, lengths))
+    assert mc.selected_lists(lists, lengths).tolist() == [
+        [[0, 4, -1], [-1, -1, -1]],
+        [[0, 2, 3], [7, -1, -1]],
+    ]
+    inside = lists.clone()
+    inside[1, 0, 2] = 42
+    assert not torch.equal(mc.selected_lists(lists, lengths), mc.selected_lists(inside, lengths))
