@@ -29,14 +29,13 @@ estimator and shape, summaries written by the kernel writer of that estimator
 reference on a few rows and Select's lists against the reference lists, and
 (timing) Estimate, Select, Estimate+Select and the summary write.
 
-    python benchmarks/moira_correctness.py --json benchmarks/results/correctness_h200.json \
-        --timing-json benchmarks/results/kernel_timing_h200.json
+    python benchmarks/moira_correctness.py --json correctness.json \
+        --timing-json kernel_timing.json
     python benchmarks/moira_correctness.py --estimators mvar,int8:mvar_top8 \
-        --only-estimators --json benchmarks/results/estimator_kernels_h200.json \
-        --timing-json benchmarks/results/estimator_timing_h200.json
+        --only-estimators --json estimator_kernels.json \
+        --timing-json estimator_timing.json
     python benchmarks/moira_correctness.py --kv-cache-dtype fp8 \
-        --json benchmarks/results/correctness_fp8_h200.json \
-        --timing-json benchmarks/results/kernel_timing_fp8_h200.json
+        --json correctness_fp8.json --timing-json kernel_timing_fp8.json
 """
 
 from __future__ import annotations

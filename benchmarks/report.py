@@ -346,7 +346,7 @@ MANIFEST: list[dict] = [
             "replay against eager, Select's lists against the float32 reference at γ 0.98."
         ),
         "records": [
-            {"path": "correctness/correctness_h200.json", "commit": "241bf03"},
+            {"path": "correctness/correctness_h100.json", "commit": "dce8757"},
             {
                 "path": "fp8/correctness_fp8_h200.json",
                 "commit": "0c09116",

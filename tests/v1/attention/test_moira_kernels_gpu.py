@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Moira's kernels at real shapes on the H200 (Llama-3.1-8B geometry).
+"""Moira's kernels at real shapes on a Hopper GPU (Llama-3.1-8B geometry).
 
 Run with ``MOIRA_TEST_GPU=1 python -m pytest -m gpu tests/v1/attention`` after
 ``build.sh``; the checks are the ones ``benchmarks/moira_correctness.py``
-records in ``benchmarks/results/correctness_h200.json``.
+records in ``benchmarks/results/correctness/``.
 ``MOIRA_TEST_ESTIMATE_LAUNCH='{"maxnreg": 128}'`` runs them under a candidate
 Estimate launch (a JSON dict of Estimate launch overrides) before it becomes the
 default; ``MOIRA_TEST_ATTEND_LAUNCH`` does the same for Attend's.
