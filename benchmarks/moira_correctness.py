@@ -923,7 +923,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     paper = PaperAttend(batch, HQ, HKV, D, ws_fixed.attend_fill_blocks, "cuda")
     attend_us = graph_time_us(
         lambda: paper(case["query"], case["kv"], case["table"], case["seq"], ws_fixed.page_list,
-                      ws_fixed.list_lengths, out, SCALE)
+                      ws_fixed.list_lengths, out, SCALE, **scales)
     )  # fmt: skip
     rows["attend_merge_us"] = attend_us
     # The backend's Attend (even pages per block).

@@ -179,9 +179,11 @@ class PaperAttend:
         list_lengths: torch.Tensor,
         output: torch.Tensor,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         num_rows, num_q_heads, head_size = query.shape
-        kv_fp8, k_scale, v_scale = _kv_scale_args(kv_cache, k_scale=None, v_scale=None)
+        kv_fp8, k_scale, v_scale = _kv_scale_args(kv_cache, k_scale=k_scale, v_scale=v_scale)
         group_size = num_q_heads // self.num_kv_heads
         torch.sum(list_lengths[:num_rows], dim=(0, 1), dtype=torch.int32, out=self.kept_total[0])
         num_splits = self.num_splits(num_rows)
