@@ -348,8 +348,8 @@ MANIFEST: list[dict] = [
         "records": [
             {"path": "correctness/correctness_h100.json", "commit": "dce8757"},
             {
-                "path": "fp8/correctness_fp8_h200.json",
-                "commit": "0c09116",
+                "path": "fp8/correctness_fp8_h100.json",
+                "commit": "543d956",
                 "note": "On an fp8 cache the bf16-ulp bound does not apply; the reference is "
                 "FA3's own error against float32 (the next column)",
             },
@@ -366,7 +366,7 @@ MANIFEST: list[dict] = [
         "records": [
             {
                 "path": "correctness/pytest_gpu_h100.log",
-                "commit": "665df94",
+                "commit": "2d66988",
                 "device": H100,
                 "command": "bash benchmarks/run_gpu.sh --out DIR gpu-tests",
             },
