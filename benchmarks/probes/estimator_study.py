@@ -157,6 +157,12 @@ PC_RE = re.compile(r"^top(\d+)_pc(\d+)(?:_(max|bennett))?$")
 SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
 
 
+#: ``keyq<bits>[c]``: ``research.quantized_key_logmass`` (every key of the page, rounded to
+#: ``bits`` bits per channel; ``c``: around the page mean): a stage 2 that reads a quantized
+#: key copy, or alone the ceiling of any estimator on such a copy
+KEYQ_RE = re.compile(r"^keyq(\d+)(c?)$")
+
+
 #: ``sub<parts>`` / ``subrem<parts>``: Eq. 2 on each of a page's ``parts`` runs of
 #: consecutive keys, the runs' masses added (``research.sub_page_logmass``; float32
 #: summaries of ``2 * parts`` slots), with mvar's or REM's spread term
@@ -411,6 +417,14 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     if n_in > 0:
                         est[..., :n_in] = research.sampled_logmass(
                             q, pages[:n_in], scale, int(sampled.group(2)), int(sampled.group(1))
+                        )
+                elif KEYQ_RE.match(e):
+                    n_in = seq_len // H.PAGE  # full pages; the current page is exact below
+                    est = exact.clone()
+                    if n_in > 0:
+                        keyq = KEYQ_RE.match(e)
+                        est[..., :n_in] = research.quantized_key_logmass(
+                            q, pages[:n_in], scale, int(keyq.group(1)), bool(keyq.group(2))
                         )
                 elif pc and pc[2]:
                     summ = summaries[e][page_rows]

@@ -475,6 +475,27 @@ def sampled_logmass(
     return torch.logaddexp(torch.logsumexp(top, -1), torch.logsumexp(samp, -1) + weight)
 
 
+def quantized_key_logmass(
+    query: torch.Tensor, pages: torch.Tensor, scale: float, bits: int, centered: bool = False
+) -> torch.Tensor:
+    """Each page's log-mass over all of its keys, the keys rounded to ``bits``-bit integers
+    with one absmax scale per (page, KV head, channel): a stage 2 (or a whole estimator)
+    that reads a quantized copy of the keys, ``bits / 16`` of a bf16 page's key bytes plus
+    the scales, instead of the keys. Channel scales because a head's outlier channels
+    carry most of a key's magnitude. ``centered``: the keys minus their page mean (a row
+    the summaries already store) are rounded, so a channel's constant offset costs no
+    levels. ``pages`` ``[n, H_kv, 64, D]``; returns ``[H_kv, G, n]``."""
+    n, h_kv, page, d = pages.shape
+    x = query.float().view(h_kv, -1, d) * scale
+    pages = pages.float()
+    mean = pages.mean(dim=2, keepdim=True) if centered else torch.zeros_like(pages[:, :, :1])
+    levels = 2 ** (bits - 1) - 1
+    channel_scale = (pages - mean).abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
+    rounded = torch.round((pages - mean) / channel_scale).clamp(-levels, levels)
+    keys = rounded * channel_scale + mean
+    return torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
+
+
 def summarize_sub_pages(pages: torch.Tensor, parts: int) -> torch.Tensor:
     """Mean and population variance of each of a page's ``parts`` runs of ``64 / parts``
     consecutive keys: ``pages`` ``[n, H_kv, 64, D]`` -> ``[n, H_kv, 2 * parts, D]`` fp32

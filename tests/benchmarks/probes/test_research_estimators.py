@@ -308,6 +308,39 @@ def test_sampled_stage_two_with_every_key_is_the_exact_mass():
     assert half.shape == exact.shape and not torch.allclose(half, exact)
 
 
+def test_quantized_keys_approach_the_exact_mass_as_bits_grow():
+    pages, query, exact = _pages_and_exact(9)
+    errors = [
+        float((research.quantized_key_logmass(query, pages, SCALE, bits) - exact).abs().max())
+        for bits in (2, 4, 8, 16)
+    ]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-3 < errors[0]
+    # keys already on the grid (one scale per channel) come back exactly
+    levels = 7
+    grid = torch.randint(-levels, levels + 1, pages.shape).float()
+    grid[:, :, 0] = levels  # every channel's absmax on the grid
+    on_grid = grid * torch.rand(1, pages.shape[1], 1, pages.shape[3])
+    exact_on_grid = torch.logsumexp(
+        torch.einsum("hgd,nhtd->hgnt", query.float().view(pages.shape[1], -1, pages.shape[3])
+                     * SCALE, on_grid), dim=-1)  # fmt: skip
+    torch.testing.assert_close(
+        research.quantized_key_logmass(query, on_grid, SCALE, 4), exact_on_grid
+    )
+
+
+def test_centered_quantization_spends_no_levels_on_a_channel_offset():
+    pages, query, exact = _pages_and_exact(9)
+    offset = torch.zeros(pages.shape[-1])
+    offset[:3] = 40.0  # outlier channels: a large constant part in every key of the head
+    shifted = pages + offset
+    exact_shifted = research.quantized_key_logmass(query, shifted, SCALE, 16)
+    plain = research.quantized_key_logmass(query, shifted, SCALE, 4)
+    centered = research.quantized_key_logmass(query, shifted, SCALE, 4, centered=True)
+    assert float((centered - exact_shifted).abs().max()) < float(
+        (plain - exact_shifted).abs().max()
+    )
+
+
 def test_cap_refined_keeps_the_largest_shares():
     mask = torch.tensor([[False, True, True, True, True, True, False, False, True, False, True,
                           False]])  # fmt: skip
