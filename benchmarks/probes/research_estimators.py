@@ -476,7 +476,12 @@ def sampled_logmass(
 
 
 def quantized_key_logmass(
-    query: torch.Tensor, pages: torch.Tensor, scale: float, bits: int, centered: bool = False
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    scale: float,
+    bits: int,
+    centered: bool = False,
+    channels: int | None = None,
 ) -> torch.Tensor:
     """Each page's log-mass over all of its keys, the keys rounded to ``bits``-bit integers
     with one absmax scale per (page, KV head, channel): a stage 2 (or a whole estimator)
@@ -484,7 +489,9 @@ def quantized_key_logmass(
     the scales, instead of the keys. Channel scales because a head's outlier channels
     carry most of a key's magnitude. ``centered``: the keys minus their page mean (a row
     the summaries already store) are rounded, so a channel's constant offset costs no
-    levels. ``pages`` ``[n, H_kv, 64, D]``; returns ``[H_kv, G, n]``."""
+    levels. ``channels``: only that many channels per (page, KV head), those of the largest
+    variance over the page, are stored; the others are taken at the page mean (``centered``
+    only). ``pages`` ``[n, H_kv, 64, D]``; returns ``[H_kv, G, n]``."""
     n, h_kv, page, d = pages.shape
     x = query.float().view(h_kv, -1, d) * scale
     pages = pages.float()
@@ -493,6 +500,12 @@ def quantized_key_logmass(
     channel_scale = (pages - mean).abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
     rounded = torch.round((pages - mean) / channel_scale).clamp(-levels, levels)
     keys = rounded * channel_scale + mean
+    if channels is not None:
+        if not centered:
+            raise ValueError("quantized_key_logmass: channels needs centered=True")
+        top = pages.var(dim=2).topk(channels, dim=-1).indices  # [n, H, channels]
+        stored = torch.zeros(n, h_kv, d, dtype=torch.bool).scatter_(-1, top, True)
+        keys = torch.where(stored.unsqueeze(2), keys, mean)
     return torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
 
 

@@ -341,6 +341,19 @@ def test_centered_quantization_spends_no_levels_on_a_channel_offset():
     )
 
 
+def test_channel_subset_keeps_the_channels_that_vary():
+    pages, query, _ = _pages_and_exact(9)
+    flat = pages.clone()
+    flat[..., 2:] = flat[..., 2:].mean(dim=2, keepdim=True)  # only channels 0 and 1 vary
+    full = research.quantized_key_logmass(query, flat, SCALE, 16, centered=True)
+    two = research.quantized_key_logmass(query, flat, SCALE, 16, centered=True, channels=2)
+    torch.testing.assert_close(two, full)
+    one = research.quantized_key_logmass(query, flat, SCALE, 16, centered=True, channels=1)
+    assert not torch.allclose(one, full)
+    with pytest.raises(ValueError, match="centered"):
+        research.quantized_key_logmass(query, flat, SCALE, 4, channels=2)
+
+
 def test_cap_refined_keeps_the_largest_shares():
     mask = torch.tensor([[False, True, True, True, True, True, False, False, True, False, True,
                           False]])  # fmt: skip
