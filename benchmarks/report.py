@@ -39,9 +39,11 @@ DEFAULT_WIDE = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "wi
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 QWEN = "Qwen2.5-Coder-1.5B-Instruct"
 #: Estimator-study arms shown: the oracle, the paper's, the default and the accuracy mode.
+#: The quantized key copy's rows on the results page: alone, and as the refinement's stage 2.
+KEY_COPY_ARMS = ["keyq4c", "2v/int8:mvar_top8/keyq4c/3/0.75"]
 STUDY_ARMS = {
     "gamma": [0.98],
-    "estimator": ["oracle", "mvar", "int8:mvar_top8", "2v/int8:mvar_top8/oracle/3/0.75"],
+    "estimator": ["mvar", "int8:mvar_top8", "2v/int8:mvar_top8/oracle/3/0.75"],
 }
 #: Accuracy arms shown: dense, γ 0.99 and 0.98, and the fixed count at γ 0.98's reads.
 ACC_GAMMAS = {"gamma": [None, 0.98, 0.99]}
@@ -224,7 +226,7 @@ MANIFEST: list[dict] = [
                 "path": "estimator/estimator_widened_smollm2.json",
                 "commit": "6906d9f",
                 "device": "CPU",
-                "filter": {"gamma": [0.98], "estimator": ["oracle", "mvar", "int8:mvar_top8"]},
+                "filter": {"gamma": [0.98], "estimator": ["int8:mvar_top8"]},
             },
             {
                 "path": "estimator/estimator_refine_smollm2.json",
@@ -258,7 +260,7 @@ MANIFEST: list[dict] = [
                     "gamma": [0.98],
                     "seeds": ["1"],
                     "counted_rows_per_prompt": [16],
-                    "estimator": ["int8:mvar_top8", "int8:qtop8"],
+                    "estimator": ["int8:mvar_top8"],
                 },  # fmt: skip
                 "note": "held-out prompts (seed 1); the query-chosen ceiling `qtop8`, the other "
                 "candidate first stages, bytes and the seed-2 validation in the record",
@@ -269,12 +271,34 @@ MANIFEST: list[dict] = [
                 "device": "CPU",
                 "filter": {
                     "gamma": [0.98],
-                    "estimator": [
-                        "int8:mvar_top8",
-                        "int4:mvar_top8",
-                        "2v/int8:mvar_top8/oracle/3/0.75",
-                    ],
+                    "estimator": ["int8:mvar_top8", "2v/int8:mvar_top8/oracle/3/0.75"],
                 },  # fmt: skip
+                "note": "held-out prompts (seed 1); int4 keys and gamma 0.99 in the record",
+            },
+            {
+                "path": "estimator/estimator_keyq_smollm2.json",
+                "commit": "9e772b3",
+                "device": "CPU",
+                "filter": {"gamma": [0.98], "seeds": ["1"], "estimator": KEY_COPY_ARMS},
+                "note": "held-out prompts (seed 1); uncentered, 2- and 3-bit, channel-subset "
+                "copies and gamma 0.99 in the record",
+            },
+            {
+                "path": "estimator/estimator_keyq_smollm2.json",
+                "commit": "9e772b3",
+                "device": "CPU",
+                "filter": {
+                    "gamma": [0.98],
+                    "seeds": ["2"],
+                    "estimator": ["int8:mvar_top8", *KEY_COPY_ARMS],
+                },  # fmt: skip
+                "note": "the same at seed 2 (4k): a second held-out set",
+            },
+            {
+                "path": "estimator/estimator_keyq_qwen_8k.json",
+                "commit": "9e772b3",
+                "device": "CPU",
+                "filter": {"gamma": [0.98], "estimator": KEY_COPY_ARMS},
                 "note": "held-out prompts (seed 1); gamma 0.99 in the record",
             },
         ],
