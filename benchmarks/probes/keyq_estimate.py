@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What Estimate would cost on a 4-bit centered key copy (the study's ``keyq4c``).
+
+The estimator study finds that page masses from every key of the page, rounded to 4 bits
+around the page mean with one scale per channel (``research.quantized_key_logmass(...,
+bits=4, centered=True)``), meet the whole accuracy bar, at about 3.4x the bytes Estimate
+reads today. Whether that is affordable is a question of one kernel's speed, which this
+probe answers before any backend change: a writer (torch), the Triton kernel, a float32
+reference of the kernel's math, and a GPU timing beside the backend's Estimate on the
+same batch::
+
+    python -m benchmarks.probes.keyq_estimate --shapes 4x131072,32x8192 --out keyq.json
+
+Layout per (block, KV head): ``codes`` ``[64, D // 2]`` uint8, byte ``c`` holding channel
+``c`` in its low nibble and channel ``c + D / 2`` in its high one, each as code + 8 (codes in
+[-7, 7]); ``scales`` and ``means`` ``[D]`` (``--meta-dtype``). A key is
+``code * scale + mean``, so a logit is ``(x * scale) . code + x . mean``: the kernel multiplies
+the codes, exact in fp16, by the query scaled per page and channel, on the tensor cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+LEVELS = 7
+PAGE = 64
+
+
+def quantize_key_pages(keys: torch.Tensor, meta_dtype: torch.dtype = torch.float16):
+    """``keys`` ``[blocks, H_kv, 64, D]`` -> ``(codes, scales, means)`` in the layout above;
+    the rounding of ``research.quantized_key_logmass(..., 4, centered=True)``."""
+    keys = keys.float()
+    means = keys.mean(dim=2)  # [blocks, H, D]
+    centered = keys - means.unsqueeze(2)
+    scales = centered.abs().amax(dim=2).clamp_min(1e-12) / LEVELS
+    codes = torch.round(centered / scales.unsqueeze(2)).clamp(-LEVELS, LEVELS).to(torch.int16) + 8
+    half = keys.shape[-1] // 2
+    packed = (codes[..., :half] | (codes[..., half:] << 4)).to(torch.uint8)
+    return packed.contiguous(), scales.to(meta_dtype), means.to(meta_dtype)
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` ``[..., 64, D // 2]`` uint8 -> ``[..., 64, D]`` int8 codes in [-7, 7]."""
+    wide = codes.to(torch.int16)
+    return (torch.cat([wide & 15, wide >> 4], dim=-1) - 8).to(torch.int8)
+
+
+def keyq_logmass_reference(query, codes, scales, means, block_table, seq_lens, scale):
+    """Float32 reference of the kernel's math: ``[B, H_kv, G, max_pages]`` log-masses of each
+    row's full pages (-inf elsewhere), the scaled query rounded to fp16 as the kernel's
+    tensor-core operand is."""
+    batch, num_q_heads, head_size = query.shape
+    num_kv_heads = codes.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.full((batch, num_kv_heads, group, block_table.shape[1]), float("-inf"))
+    x = query.float().cpu().view(batch, num_kv_heads, group, head_size) * scale
+    for row in range(batch):
+        for page in range(int(seq_lens[row]) // PAGE):
+            block = int(block_table[row, page])
+            k = unpack_codes(codes[block].cpu()).float()  # [H, 64, D]
+            s, m = scales[block].float().cpu(), means[block].float().cpu()  # [H, D]
+            xs = (x[row] * s[:, None, :]).half().float()  # [H, G, D]
+            logits = (
+                torch.einsum("hgd,htd->hgt", xs, k)
+                + torch.einsum("hgd,hd->hg", x[row], m)[..., None]
+            )
+            out[row, :, :, page] = torch.logsumexp(logits, dim=-1)
+    return out
+
+
+@triton.jit
+def kernel_keyq_estimate(
+    query_ptr,  # [B, H_q, D] bf16
+    codes_ptr,  # [blocks, H_kv, 64, D // 2] uint8 (layout in the module docstring)
+    scales_ptr,  # [blocks, H_kv, D] fp16 / fp32
+    means_ptr,  # [blocks, H_kv, D] fp16 / fp32
+    block_table_ptr,  # [B, max_pages] int32
+    seq_lens_ptr,  # [B] int32
+    logmass_ptr,  # [B, H_kv, G, max_pages] fp32 (full pages written)
+    scale,
+    stride_q_row, stride_q_head, stride_c_block, stride_c_head, stride_m_block, stride_m_head,
+    stride_bt_row, stride_l_row, stride_l_head, stride_l_group,
+    GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGES_PER_PROGRAM: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.program_id(2) * PAGES_PER_PROGRAM
+    num_full = tl.load(seq_lens_ptr + row) // PAGE_SIZE
+    HALF: tl.constexpr = HEAD_SIZE // 2
+    offs_g = tl.arange(0, ROWS)
+    offs_h = tl.arange(0, HALF)
+    offs_t = tl.arange(0, PAGE_SIZE)
+    mask_g = offs_g < GROUP_SIZE
+    q_rows = query_ptr + row * stride_q_row + (head * GROUP_SIZE + offs_g)[:, None] * stride_q_head
+    # The two halves of the channels, as the codes' two nibbles hold them.
+    x_lo = tl.load(q_rows + offs_h[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32) * scale
+    x_hi = tl.load(q_rows + HALF + offs_h[None, :], mask=mask_g[:, None], other=0.0).to(
+        tl.float32) * scale  # fmt: skip
+    for page in range(first, tl.minimum(first + PAGES_PER_PROGRAM, num_full)):
+        block = tl.load(block_table_ptr + row * stride_bt_row + page).to(tl.int64)
+        meta = block * stride_m_block + head * stride_m_head
+        s_lo = tl.load(scales_ptr + meta + offs_h).to(tl.float32)
+        s_hi = tl.load(scales_ptr + meta + HALF + offs_h).to(tl.float32)
+        m_lo = tl.load(means_ptr + meta + offs_h).to(tl.float32)
+        m_hi = tl.load(means_ptr + meta + HALF + offs_h).to(tl.float32)
+        packed = tl.load(codes_ptr + block * stride_c_block + head * stride_c_head
+                         + offs_t[:, None] * HALF + offs_h[None, :]).to(tl.int32)  # fmt: skip
+        lo = ((packed & 15) - 8).to(tl.float16)  # [PAGE, HALF]
+        hi = ((packed >> 4) - 8).to(tl.float16)
+        logits = tl.dot((x_lo * s_lo[None, :]).to(tl.float16), tl.trans(lo))
+        logits = tl.dot((x_hi * s_hi[None, :]).to(tl.float16), tl.trans(hi), logits)
+        offset = tl.sum(x_lo * m_lo[None, :], axis=1) + tl.sum(x_hi * m_hi[None, :], axis=1)
+        logits += offset[:, None]  # [ROWS, PAGE]
+        peak = tl.max(logits, axis=1)
+        logmass = peak + tl.log(tl.sum(tl.exp(logits - peak[:, None]), axis=1))
+        tl.store(logmass_ptr + row * stride_l_row + head * stride_l_head
+                 + offs_g * stride_l_group + page, logmass, mask=mask_g)  # fmt: skip
+
+
+def keyq_estimate(query, codes, scales, means, block_table, seq_lens, logmass, scale,
+                  pages_per_program: int = 8, num_warps: int = 4) -> None:  # fmt: skip
+    """Launch ``kernel_keyq_estimate`` over ``[B, H_kv, ceil(max_pages / pages_per_program)]``."""
+    batch, num_q_heads, head_size = query.shape
+    num_kv_heads = codes.shape[1]
+    group = num_q_heads // num_kv_heads
+    grid = (batch, num_kv_heads, triton.cdiv(block_table.shape[1], pages_per_program))
+    kernel_keyq_estimate[grid](
+        query, codes, scales, means, block_table, seq_lens, logmass, scale,
+        query.stride(0), query.stride(1), codes.stride(0), codes.stride(1), scales.stride(0),
+        scales.stride(1), block_table.stride(0), logmass.stride(0), logmass.stride(1),
+        logmass.stride(2),
+        GROUP_SIZE=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
+        PAGE_SIZE=PAGE, PAGES_PER_PROGRAM=pages_per_program, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def main() -> None:
+    from benchmarks import moira_correctness as mc
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="4x131072,32x8192", help="BATCHxCONTEXT,...")
+    parser.add_argument("--meta-dtype", choices=("float16", "float32"), default="float16")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    meta_dtype = getattr(torch, args.meta_dtype)
+    record = {"command": "python -m benchmarks.probes.keyq_estimate --shapes "
+              f"{args.shapes} --meta-dtype {args.meta_dtype}",
+              "gpu": torch.cuda.get_device_name(), "d2d_copy_tbps": mc.copy_bandwidth_tbps(),
+              "rows": []}  # fmt: skip
+    for shape in args.shapes.split(","):
+        batch, context = (int(v) for v in shape.split("x"))
+        case = mc.build_case(batch, context)
+        codes, scales, means = quantize_key_pages(case["kv"][..., : mc.D], meta_dtype)
+        logmass = torch.full((batch, mc.HKV, mc.HQ // mc.HKV, case["max_pages"]), float("-inf"),
+                             device="cuda")  # fmt: skip
+        launch_args = (case["query"], codes, scales, means, case["table"], case["seq"], logmass,
+                       mc.SCALE)  # fmt: skip
+        keyq_us = mc.graph_time_us(lambda args=launch_args: keyq_estimate(*args))
+        rows = [0, batch - 1]
+        sub = {k: v[rows] for k, v in (("query", case["query"]), ("table", case["table"]),
+                                       ("seq", case["seq"]))}  # fmt: skip
+        reference = keyq_logmass_reference(sub["query"], codes, scales, means, sub["table"],
+                                           sub["seq"].cpu(), mc.SCALE)  # fmt: skip
+        got = logmass[rows].cpu()
+        finite = torch.isfinite(reference)
+        full_pages = sum(n // PAGE for n in case["seq_lens"])
+        per_page = PAGE * mc.D // 2 + 2 * mc.D * torch.finfo(meta_dtype).bits // 8
+        row = {
+            "shape": shape, "meta_dtype": args.meta_dtype, "keyq_estimate_us": keyq_us,
+            "bytes_per_page_head": per_page,
+            "keyq_tbps": full_pages * mc.HKV * per_page / (keyq_us * 1e-6) / 1e12,
+            "max_abs_err_vs_reference": float((got[finite] - reference[finite]).abs().max()),
+            "default_estimate": mc.time_estimator(case, "int8:mvar_top8"),
+        }  # fmt: skip
+        row["keyq_fraction_of_copy_bw"] = row["keyq_tbps"] / record["d2d_copy_tbps"]
+        print(json.dumps({k: v for k, v in row.items() if k != "default_estimate"}), flush=True)
+        print("  default:", {k: row["default_estimate"][k] for k in ("estimate_us", "select_us")})
+        record["rows"].append(row)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
