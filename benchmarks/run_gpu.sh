@@ -24,6 +24,10 @@ Steps (NAME[:ARG]):
                        which reads every page on dummy weights), --gen 32, into
                        tpot_refine.json (SHAPES default 130048x4,8192x32)
   kernel-spread        bench_kernel_spread.py (CV 0, 1 and the real fractions)
+  keyq-estimate[:SHAPES]
+                       benchmarks/probes/keyq_estimate.py: Estimate on a 4-bit centered key
+                       copy (the study's keyq4c) beside the default's Estimate on the same
+                       batch, into keyq_estimate.json (SHAPES default 4x131072,32x8192)
   serving[:SET]        bench_serving.py, dense and moira arms (SET: A or B, default A)
   soak                 soak_serve.py, phases moira1 and dense
   smoke                serve_smoke.py: `vllm serve` with VLLM_ATTENTION_BACKEND=MOIRA
@@ -194,7 +198,7 @@ if [[ ${#STEPS[@]} -eq 0 ]]; then
 fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
-        gpu-tests | correctness | tpot | tpot-refine | kernel-spread | serving | soak | smoke | e2e \
+        gpu-tests | correctness | tpot | tpot-refine | kernel-spread | keyq-estimate | serving | soak | smoke | e2e \
             | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
             | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
@@ -382,6 +386,10 @@ for step in "${STEPS[@]}"; do
             # engine, MOIRA with and without it ("--gammas=": no coverage arm).
             tpot_engines "tpot_refine${SUFFIX}" "wide off" "--gammas=" --model "${MODEL}" \
                 "${KV_ARGS[@]}" --shapes "${arg:-130048x4,8192x32}" --gen 32
+            ;;
+        keyq-estimate)
+            run keyq_estimate python -m benchmarks.probes.keyq_estimate \
+                --shapes "${arg:-4x131072,32x8192}" --out "${OUT}/keyq_estimate.json"
             ;;
         kernel-spread)
             fractions=benchmarks/results/kernel_spread/real_fractions_smollm2.json
