@@ -157,11 +157,12 @@ PC_RE = re.compile(r"^top(\d+)_pc(\d+)(?:_(max|bennett))?$")
 SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
 
 
-#: ``keyq<bits>[c][_f<percent>]``: ``research.quantized_key_logmass`` (every key of the
-#: page, rounded to ``bits`` bits per channel; ``c``: around the page mean; ``_f``: only that
-#: percentage of the channels, those of the largest variance in the page): a stage 2 that
-#: reads a quantized key copy, or alone the ceiling of any estimator on such a copy
-KEYQ_RE = re.compile(r"^keyq(\d+)(c?)(?:_f(\d+))?$")
+#: ``keyq<bits>[c][_f<percent>|_p<percent>]``: ``research.quantized_key_logmass`` (every key
+#: of the page, rounded to ``bits`` bits per channel; ``c``: around the page mean; ``_f``: only
+#: that percentage of the channels, those of the largest variance in the page; ``_p``: that
+#: percentage of D principal axes of the head's keys in the row's context instead of channels):
+#: a stage 2 that reads a quantized key copy, or alone the ceiling of any estimator on one
+KEYQ_RE = re.compile(r"^keyq(\d+)(c?)(?:_(f|p)(\d+))?$")
 
 
 #: ``sub<parts>`` / ``subrem<parts>``: Eq. 2 on each of a page's ``parts`` runs of
@@ -424,12 +425,12 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     est = exact.clone()
                     if n_in > 0:
                         keyq = KEYQ_RE.match(e)
-                        channels = (
-                            pages.shape[-1] * int(keyq.group(3)) // 100 if keyq.group(3) else None
-                        )
+                        part = pages.shape[-1] * int(keyq.group(4) or 0) // 100
+                        axes = (research.principal_key_axes(pages[:n_in], part)
+                                if keyq.group(3) == "p" else None)  # fmt: skip
                         est[..., :n_in] = research.quantized_key_logmass(
                             q, pages[:n_in], scale, int(keyq.group(1)), bool(keyq.group(2)),
-                            channels,
+                            part if keyq.group(3) == "f" else None, axes,
                         )  # fmt: skip
                 elif pc and pc[2]:
                     summ = summaries[e][page_rows]

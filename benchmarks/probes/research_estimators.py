@@ -482,6 +482,7 @@ def quantized_key_logmass(
     bits: int,
     centered: bool = False,
     channels: int | None = None,
+    axes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each page's log-mass over all of its keys, the keys rounded to ``bits``-bit integers
     with one absmax scale per (page, KV head, channel): a stage 2 (or a whole estimator)
@@ -491,12 +492,22 @@ def quantized_key_logmass(
     the summaries already store) are rounded, so a channel's constant offset costs no
     levels. ``channels``: only that many channels per (page, KV head), those of the largest
     variance over the page, are stored; the others are taken at the page mean (``centered``
-    only). ``pages`` ``[n, H_kv, 64, D]``; returns ``[H_kv, G, n]``."""
+    only). ``axes`` ``[H_kv, D, k]`` (``principal_key_axes``): the centered keys are stored as
+    their coordinates along these k orthonormal axes, each rounded with its own scale
+    (``centered`` only). ``pages`` ``[n, H_kv, 64, D]``; returns ``[H_kv, G, n]``."""
     n, h_kv, page, d = pages.shape
     x = query.float().view(h_kv, -1, d) * scale
     pages = pages.float()
     mean = pages.mean(dim=2, keepdim=True) if centered else torch.zeros_like(pages[:, :, :1])
     levels = 2 ** (bits - 1) - 1
+    if axes is not None:
+        if not centered:
+            raise ValueError("quantized_key_logmass: axes needs centered=True")
+        coords = torch.einsum("nhtd,hdk->nhtk", pages - mean, axes)
+        coord_scale = coords.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
+        rounded = torch.round(coords / coord_scale).clamp(-levels, levels) * coord_scale
+        keys = torch.einsum("nhtk,hdk->nhtd", rounded, axes) + mean
+        return torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
     channel_scale = (pages - mean).abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
     rounded = torch.round((pages - mean) / channel_scale).clamp(-levels, levels)
     keys = rounded * channel_scale + mean
@@ -507,6 +518,17 @@ def quantized_key_logmass(
         stored = torch.zeros(n, h_kv, d, dtype=torch.bool).scatter_(-1, top, True)
         keys = torch.where(stored.unsqueeze(2), keys, mean)
     return torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
+
+
+def principal_key_axes(pages: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` leading principal axes of each KV head's keys after each page's mean is taken
+    out (what a prefill-time calibration of the head would find): ``[H_kv, D, k]``."""
+    n, h_kv, page, d = pages.shape
+    residual = (pages.float() - pages.float().mean(dim=2, keepdim=True)).permute(1, 0, 2, 3)
+    residual = residual.reshape(h_kv, n * page, d)
+    covariance = residual.transpose(1, 2) @ residual  # [H, D, D]
+    _, vectors = torch.linalg.eigh(covariance)  # ascending eigenvalues
+    return vectors[..., -k:].flip(-1)
 
 
 def summarize_sub_pages(pages: torch.Tensor, parts: int) -> torch.Tensor:

@@ -354,6 +354,21 @@ def test_channel_subset_keeps_the_channels_that_vary():
         research.quantized_key_logmass(query, flat, SCALE, 4, channels=2)
 
 
+def test_principal_axes_hold_keys_that_live_in_a_subspace():
+    pages, query, _ = _pages_and_exact(9)
+    n, h_kv, page, d = pages.shape
+    basis = torch.linalg.qr(torch.randn(d, 2))[0]  # two directions
+    low_rank = (pages[..., :2] @ basis.T) + torch.randn(n, h_kv, 1, d)  # page means + plane
+    exact = research.quantized_key_logmass(query, low_rank, SCALE, 16, centered=True)
+    axes = research.principal_key_axes(low_rank, 2)
+    assert axes.shape == (h_kv, d, 2)
+    two = research.quantized_key_logmass(query, low_rank, SCALE, 16, centered=True, axes=axes)
+    torch.testing.assert_close(two, exact, atol=1e-3, rtol=1e-4)
+    one = research.quantized_key_logmass(query, low_rank, SCALE, 16, centered=True,
+                                         axes=research.principal_key_axes(low_rank, 1))  # fmt: skip
+    assert not torch.allclose(one, exact, atol=1e-2)
+
+
 def test_cap_refined_keeps_the_largest_shares():
     mask = torch.tensor([[False, True, True, True, True, True, False, False, True, False, True,
                           False]])  # fmt: skip
