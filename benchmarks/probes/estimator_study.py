@@ -160,9 +160,10 @@ SAMPLED_RE = re.compile(r"^samp(\d+)_top(\d+)$")
 #: ``keyq<bits>[c][_f<percent>|_p<percent>]``: ``research.quantized_key_logmass`` (every key
 #: of the page, rounded to ``bits`` bits per channel; ``c``: around the page mean; ``_f``: only
 #: that percentage of the channels, those of the largest variance in the page; ``_p``: that
-#: percentage of D principal axes of the head's keys in the row's context instead of channels):
+#: percentage of D principal axes of the head's keys in the row's context instead of channels;
+#: ``v``: plus the residual's spread term):
 #: a stage 2 that reads a quantized key copy, or alone the ceiling of any estimator on one
-KEYQ_RE = re.compile(r"^keyq(\d+)(c?)(?:_(f|p)(\d+))?$")
+KEYQ_RE = re.compile(r"^keyq(\d+)(c?)(?:_(f|p)(\d+)(v?))?$")
 
 
 #: ``sub<parts>`` / ``subrem<parts>``: Eq. 2 on each of a page's ``parts`` runs of
@@ -430,7 +431,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                                 if keyq.group(3) == "p" else None)  # fmt: skip
                         est[..., :n_in] = research.quantized_key_logmass(
                             q, pages[:n_in], scale, int(keyq.group(1)), bool(keyq.group(2)),
-                            part if keyq.group(3) == "f" else None, axes,
+                            part if keyq.group(3) == "f" else None, axes, bool(keyq.group(5)),
                         )  # fmt: skip
                 elif pc and pc[2]:
                     summ = summaries[e][page_rows]

@@ -483,6 +483,7 @@ def quantized_key_logmass(
     centered: bool = False,
     channels: int | None = None,
     axes: torch.Tensor | None = None,
+    residual_spread: bool = False,
 ) -> torch.Tensor:
     """Each page's log-mass over all of its keys, the keys rounded to ``bits``-bit integers
     with one absmax scale per (page, KV head, channel): a stage 2 (or a whole estimator)
@@ -494,7 +495,10 @@ def quantized_key_logmass(
     variance over the page, are stored; the others are taken at the page mean (``centered``
     only). ``axes`` ``[H_kv, D, k]`` (``principal_key_axes``): the centered keys are stored as
     their coordinates along these k orthonormal axes, each rounded with its own scale
-    (``centered`` only). ``pages`` ``[n, H_kv, 64, D]``; returns ``[H_kv, G, n]``."""
+    (``centered`` only); ``residual_spread``: plus half the variance of ``x`` along what the
+    axes leave out (per channel over the page: the mvar term of the residual), so the dropped
+    part adds its Gaussian share instead of nothing. ``pages`` ``[n, H_kv, 64, D]``; returns
+    ``[H_kv, G, n]``."""
     n, h_kv, page, d = pages.shape
     x = query.float().view(h_kv, -1, d) * scale
     pages = pages.float()
@@ -507,7 +511,12 @@ def quantized_key_logmass(
         coord_scale = coords.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
         rounded = torch.round(coords / coord_scale).clamp(-levels, levels) * coord_scale
         keys = torch.einsum("nhtk,hdk->nhtd", rounded, axes) + mean
-        return torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
+        logmass = torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
+        if residual_spread:
+            kept = torch.einsum("nhtk,hdk->nhtd", coords, axes)
+            variance = (pages - mean - kept).var(dim=2, unbiased=False)  # [n, H, D]
+            logmass = logmass + 0.5 * torch.einsum("hgd,nhd->hgn", x * x, variance)
+        return logmass
     channel_scale = (pages - mean).abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
     rounded = torch.round((pages - mean) / channel_scale).clamp(-levels, levels)
     keys = rounded * channel_scale + mean

@@ -367,6 +367,15 @@ def test_principal_axes_hold_keys_that_live_in_a_subspace():
     one = research.quantized_key_logmass(query, low_rank, SCALE, 16, centered=True,
                                          axes=research.principal_key_axes(low_rank, 1))  # fmt: skip
     assert not torch.allclose(one, exact, atol=1e-2)
+    # the residual's spread term: nothing to add where the axes hold the keys, a raise where not
+    spread = research.quantized_key_logmass(query, low_rank, SCALE, 16, centered=True, axes=axes,
+                                            residual_spread=True)  # fmt: skip
+    torch.testing.assert_close(spread, two, atol=1e-4, rtol=1e-5)
+    one_spread = research.quantized_key_logmass(
+        query, low_rank, SCALE, 16, centered=True,
+        axes=research.principal_key_axes(low_rank, 1), residual_spread=True,
+    )  # fmt: skip
+    assert bool((one_spread > one).all())
 
 
 def test_cap_refined_keeps_the_largest_shares():
