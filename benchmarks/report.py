@@ -277,7 +277,7 @@ MANIFEST: list[dict] = [
             },
             {
                 "path": "estimator/estimator_keyq_smollm2.json",
-                "commit": "9e772b3",
+                "commit": "7fbddc5",
                 "device": "CPU",
                 "filter": {"gamma": [0.98], "seeds": ["1"], "estimator": KEY_COPY_ARMS},
                 "note": "held-out prompts (seed 1); uncentered, 2- and 3-bit, channel-subset "
@@ -285,7 +285,7 @@ MANIFEST: list[dict] = [
             },
             {
                 "path": "estimator/estimator_keyq_smollm2.json",
-                "commit": "9e772b3",
+                "commit": "7fbddc5",
                 "device": "CPU",
                 "filter": {
                     "gamma": [0.98],
@@ -296,7 +296,7 @@ MANIFEST: list[dict] = [
             },
             {
                 "path": "estimator/estimator_keyq_qwen_8k.json",
-                "commit": "9e772b3",
+                "commit": "7fbddc5",
                 "device": "CPU",
                 "filter": {"gamma": [0.98], "estimator": KEY_COPY_ARMS},
                 "note": "held-out prompts (seed 1); gamma 0.99 in the record",
