@@ -38,9 +38,9 @@ DEFAULT_OFF = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "off
 DEFAULT_WIDE = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "wide"}
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 QWEN = "Qwen2.5-Coder-1.5B-Instruct"
-#: Estimator-study arms shown: the oracle, the paper's, the default and the accuracy mode.
 #: The quantized key copy's rows on the results page: alone, and as the refinement's stage 2.
 KEY_COPY_ARMS = ["keyq4c", "2v/int8:mvar_top8/keyq4c/3/0.75"]
+#: Estimator-study arms shown: the paper's, the default and the accuracy mode.
 STUDY_ARMS = {
     "gamma": [0.98],
     "estimator": ["mvar", "int8:mvar_top8", "2v/int8:mvar_top8/oracle/3/0.75"],
@@ -280,8 +280,8 @@ MANIFEST: list[dict] = [
                 "commit": "7fbddc5",
                 "device": "CPU",
                 "filter": {"gamma": [0.98], "seeds": ["1"], "estimator": KEY_COPY_ARMS},
-                "note": "held-out prompts (seed 1); uncentered, 2- and 3-bit, channel-subset "
-                "copies and gamma 0.99 in the record",
+                "note": "held-out prompts (seed 1); uncentered, 2- and 3-bit, channel-subset and "
+                "principal-axes copies and gamma 0.99 in the record",
             },
             {
                 "path": "estimator/estimator_keyq_smollm2.json",
@@ -290,16 +290,19 @@ MANIFEST: list[dict] = [
                 "filter": {
                     "gamma": [0.98],
                     "seeds": ["2"],
+                    "context": [4096],
                     "estimator": ["int8:mvar_top8", *KEY_COPY_ARMS],
                 },  # fmt: skip
-                "note": "the same at seed 2 (4k): a second held-out set",
+                "note": "the same at seed 2 (4k): a second held-out set; seed 2 at 8k in the "
+                "record",
             },
             {
                 "path": "estimator/estimator_keyq_qwen_8k.json",
                 "commit": "7fbddc5",
                 "device": "CPU",
-                "filter": {"gamma": [0.98], "estimator": KEY_COPY_ARMS},
-                "note": "held-out prompts (seed 1); gamma 0.99 in the record",
+                "filter": {"gamma": [0.98], "seeds": ["1"], "estimator": KEY_COPY_ARMS},
+                "note": "held-out prompts (seed 1); 4k (seed 0), principal-axes copies and gamma "
+                "0.99 in the record",
             },
         ],
     },  # fmt: skip
