@@ -28,7 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-LEVELS = 7
+from benchmarks.probes import research_estimators as research
+
+BITS = 4
+LEVELS = 2 ** (BITS - 1) - 1
 PAGE = 64
 
 
@@ -36,19 +39,18 @@ def quantize_key_pages(keys: torch.Tensor, meta_dtype: torch.dtype = torch.float
     """``keys`` ``[blocks, H_kv, 64, D]`` -> ``(codes, scales, means)`` in the layout above;
     the rounding of ``research.quantized_key_logmass(..., 4, centered=True)``."""
     keys = keys.float()
-    means = keys.mean(dim=2)  # [blocks, H, D]
-    centered = keys - means.unsqueeze(2)
-    scales = centered.abs().amax(dim=2).clamp_min(1e-12) / LEVELS
-    codes = torch.round(centered / scales.unsqueeze(2)).clamp(-LEVELS, LEVELS).to(torch.int16) + 8
+    means = keys.mean(dim=2, keepdim=True)  # [blocks, H, 1, D]
+    codes, scales = research.round_over_tokens(keys - means, BITS)
+    codes = codes.to(torch.int16) + LEVELS + 1  # as stored: code + 8, in [1, 15]
     half = keys.shape[-1] // 2
     packed = (codes[..., :half] | (codes[..., half:] << 4)).to(torch.uint8)
-    return packed.contiguous(), scales.to(meta_dtype), means.to(meta_dtype)
+    return packed.contiguous(), scales[:, :, 0].to(meta_dtype), means[:, :, 0].to(meta_dtype)
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     """``codes`` ``[..., 64, D // 2]`` uint8 -> ``[..., 64, D]`` int8 codes in [-7, 7]."""
     wide = codes.to(torch.int16)
-    return (torch.cat([wide & 15, wide >> 4], dim=-1) - 8).to(torch.int8)
+    return (torch.cat([wide & 15, wide >> 4], dim=-1) - LEVELS - 1).to(torch.int8)
 
 
 def keyq_logmass_reference(query, codes, scales, means, block_table, seq_lens, scale):

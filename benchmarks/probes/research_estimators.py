@@ -475,6 +475,15 @@ def sampled_logmass(
     return torch.logaddexp(torch.logsumexp(top, -1), torch.logsumexp(samp, -1) + weight)
 
 
+def round_over_tokens(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` ``[n, H_kv, 64, C]`` as ``bits``-bit integer codes in ``[-L, L]``
+    (``L = 2**(bits-1) - 1``) with one absmax scale per (page, KV head, C): ``(codes, scale)``,
+    ``codes * scale`` the rounded values; ``scale`` ``[n, H_kv, 1, C]``."""
+    levels = 2 ** (bits - 1) - 1
+    scale = values.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
+    return torch.round(values / scale).clamp(-levels, levels), scale
+
+
 def quantized_key_logmass(
     query: torch.Tensor,
     pages: torch.Tensor,
@@ -503,23 +512,20 @@ def quantized_key_logmass(
     x = query.float().view(h_kv, -1, d) * scale
     pages = pages.float()
     mean = pages.mean(dim=2, keepdim=True) if centered else torch.zeros_like(pages[:, :, :1])
-    levels = 2 ** (bits - 1) - 1
     if axes is not None:
         if not centered:
             raise ValueError("quantized_key_logmass: axes needs centered=True")
         coords = torch.einsum("nhtd,hdk->nhtk", pages - mean, axes)
-        coord_scale = coords.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
-        rounded = torch.round(coords / coord_scale).clamp(-levels, levels) * coord_scale
-        keys = torch.einsum("nhtk,hdk->nhtd", rounded, axes) + mean
+        codes, coord_scale = round_over_tokens(coords, bits)
+        keys = torch.einsum("nhtk,hdk->nhtd", codes * coord_scale, axes) + mean
         logmass = torch.logsumexp(torch.einsum("hgd,nhtd->hgnt", x, keys), dim=-1)
         if residual_spread:
             kept = torch.einsum("nhtk,hdk->nhtd", coords, axes)
             variance = (pages - mean - kept).var(dim=2, unbiased=False)  # [n, H, D]
             logmass = logmass + 0.5 * torch.einsum("hgd,nhd->hgn", x * x, variance)
         return logmass
-    channel_scale = (pages - mean).abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / levels
-    rounded = torch.round((pages - mean) / channel_scale).clamp(-levels, levels)
-    keys = rounded * channel_scale + mean
+    codes, channel_scale = round_over_tokens(pages - mean, bits)
+    keys = codes * channel_scale + mean
     if channels is not None:
         if not centered:
             raise ValueError("quantized_key_logmass: channels needs centered=True")
