@@ -59,7 +59,16 @@ MANIFEST: list[dict] = [
             "same run. Rows marked **default** are the shipped configuration."
         ),
         "records": [
-            {"path": "tpot/tpot_real_h100.json", "commit": "4125617", "model": QWEN},
+            {"path": "tpot/tpot_real_h100.json", "commit": "a5c363e", "model": QWEN},
+            {
+                "path": "plugin/tpot_plugin_h100.json",
+                "commit": "a5c363e",
+                "model": QWEN,
+                "filter": {"mode": ["plugin"]},
+                "note": "Plugin mode (`CUSTOM` on the stock vLLM 0.30.0 bundle, summaries in "
+                "the padded KV pages) in the same lease as `tpot/tpot_real_h100.json`, whose "
+                "dense and patched-build engines are its baseline",
+            },
         ],
     },  # fmt: skip
     {
@@ -451,6 +460,13 @@ MANIFEST: list[dict] = [
                 "wide pages",
                 "filter": {"summary_dtype": ["int8"], "estimator": ["mvar_top8"]},
             },
+            {
+                "path": "kernel_timing/keyq_estimate_h100.json",
+                "commit": "a5c363e",
+                "note": "The quantized key copy's Estimate (`benchmarks/probes/keyq_estimate.py`, "
+                "a study kernel, not in the backend) beside the default's Estimate on the same "
+                "pages",
+            },
         ],
     },  # fmt: skip
     {
@@ -544,6 +560,8 @@ def config_text(row: dict, defaults: dict | None) -> str:
                 parts.append(f"{k} {v}")
             else:
                 parts.append(f"{v} mode" if k == "mode" else str(v))
+    if row.get("audit_every"):
+        parts.append(f"audit every {row['audit_every']} steps")
     if row.get("attend_launch"):
         parts.append(f"Attend launch `{json.dumps(row['attend_launch'], sort_keys=True)}`")
     sel = row.get("selector")
@@ -844,10 +862,18 @@ def check_row(entry: dict, data) -> list[str]:
         same = sum(1 for r in rows if r.get("identical"))
         diverged = ", ".join(str(r["first_divergence"]) for r in rows if not r.get("identical"))
         tokens = rows[0]["tokens"] if rows else 0
+        result = (f"{same} / {len(rows)} prompts identical over {tokens} tokens; the others "
+                  f"diverge at token {diverged or '–'}")  # fmt: skip
+        margins = [max(r.get("dense_margin_at_divergence") or 0,
+                       r.get("moira_margin_at_divergence") or 0)
+                   for r in rows if not r.get("identical")]  # fmt: skip
+        if margins:
+            result += f", where the top two logits are within {fmt(max(margins), 4)}"
+        if "plugin_tokens_equal_patched" in data:
+            result += ("; tokens equal to the patched build's (`MOIRA`, same lease): "
+                       f"{fmt(data['plugin_tokens_equal_patched'])}")
         return ["plugin mode on stock vLLM 0.30.0 (`CUSTOM`, V1 runner): greedy at γ 1 vs "
-                "FLASH_ATTN, real weights",
-                f"{same} / {len(rows)} prompts identical over {tokens} tokens; the others "
-                f"diverge at token {diverged or '–'}"]  # fmt: skip
+                "FLASH_ATTN, real weights", result]  # fmt: skip
     if "per_rank" in data:  # summaries_in_vllm.py
         pages = sum(r.get("pages", 0) for r in data["per_rank"])
         bad = sum(r.get("mismatched", 0) for r in data["per_rank"])
@@ -873,6 +899,20 @@ def render_timing(section: dict, loaded: list) -> list[str]:
     rows = []
     for entry, data, m in loaded:
         for r in data.get("rows", []):
+            if "keyq_estimate_us" in r:  # benchmarks/probes/keyq_estimate.py
+                e = r["default_estimate"]
+                rows.append([
+                    r["shape"], f"`{e['summary_dtype']}:{e['estimator']}` (same pages)",
+                    e.get("refine") or "off", fmt(e["estimate_us"]), "–", "–", "–", "–", "–",
+                    m["device"], f"`{entry['path']}`",
+                ])  # fmt: skip
+                rows.append([
+                    r["shape"], f"key copy `keyq4c`, {r['bytes_per_page_head']:,} B per page "
+                    f"and KV head at {fmt(100 * r['keyq_fraction_of_copy_bw'], 1)}% of the "
+                    "copy rate", "–", fmt(r["keyq_estimate_us"]), "–", "–", "–", "–", "–",
+                    m["device"], f"`{entry['path']}`",
+                ])  # fmt: skip
+                continue
             for e in r.get("estimators", []):
                 if not keep(e, entry.get("filter")):
                     continue
