@@ -870,8 +870,10 @@ def check_row(entry: dict, data) -> list[str]:
         if margins:
             result += f", where the top two logits are within {fmt(max(margins), 4)}"
         if "plugin_tokens_equal_patched" in data:
-            result += ("; tokens equal to the patched build's (`MOIRA`, same lease): "
-                       f"{fmt(data['plugin_tokens_equal_patched'])}")
+            result += (
+                "; tokens equal to the patched build's (`MOIRA`, same lease): "
+                f"{fmt(data['plugin_tokens_equal_patched'])}"
+            )
         return ["plugin mode on stock vLLM 0.30.0 (`CUSTOM`, V1 runner): greedy at γ 1 vs "
                 "FLASH_ATTN, real weights", result]  # fmt: skip
     if "per_rank" in data:  # summaries_in_vllm.py
