@@ -388,7 +388,7 @@ for step in "${STEPS[@]}"; do
                 "${KV_ARGS[@]}" --shapes "${arg:-130048x4,8192x32}" --gen 32
             ;;
         keyq-estimate)
-            run keyq_estimate python -m benchmarks.probes.keyq_estimate \
+            run keyq_estimate python -m benchmarks.probes.keyq_estimate --sweep \
                 --shapes "${arg:-4x131072,32x8192}" --out "${OUT}/keyq_estimate.json"
             ;;
         kernel-spread)

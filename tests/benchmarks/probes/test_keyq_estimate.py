@@ -48,10 +48,14 @@ def test_kernel_matches_the_reference_on_full_pages_only():
     codes, scales, means = keyq.quantize_key_pages(keys, torch.float16)
     scale = keys.shape[-1] ** -0.5
     logmass = torch.full((2, keys.shape[1], 3, table.shape[1]), float("-inf"))
-    keyq.keyq_estimate(query, codes, scales, means, table, seq_lens, logmass, scale,
-                       pages_per_program=2)  # fmt: skip
     reference = keyq.keyq_logmass_reference(query, codes, scales, means, table, seq_lens, scale)
     full = torch.isfinite(reference)
     assert full.sum() == (3 + 2) * keys.shape[1] * 3  # row 0: 3 full pages, row 1: 2
-    torch.testing.assert_close(logmass[full], reference[full], atol=2e-3, rtol=1e-4)
-    assert torch.isinf(logmass[~full]).all()  # partial and unused pages untouched
+    # The default launch (one tile covers a row), tiles that split a row's pages with a
+    # partial last tile, and one page per tile.
+    for launch in (keyq.KEYQ_LAUNCH, (2, 1, 2, 4), (1, 2, 1, 4)):
+        logmass = torch.full((2, keys.shape[1], 3, table.shape[1]), float("-inf"))
+        keyq.keyq_estimate(query, codes, scales, means, table, seq_lens, logmass, scale,
+                           launch=launch)  # fmt: skip
+        torch.testing.assert_close(logmass[full], reference[full], atol=1e-5, rtol=1e-5)
+        assert torch.isinf(logmass[~full]).all()  # partial and unused pages untouched
