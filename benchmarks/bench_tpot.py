@@ -85,7 +85,6 @@ PAPER_FIXED_FRACTIONS = {
 MOIRA_KERNELS = {
     "kernel_moira_estimate": "estimate",
     "kernel_moira_select": "select",
-    "kernel_moira_refine": "refine",
     "kernel_moira_attend": "attend",
     "kernel_moira_merge": "merge",
     "kernel_moira_write_summaries": "summaries",
@@ -262,8 +261,7 @@ def stage_rates(
     whose bytes follow from the shape, their bytes per layer, GB/s and that rate as a
     share of the device copy rate measured in the same run. ``geometry``: num_layers,
     num_kv_heads, head_size, kv_element_bytes, summary_page_bytes (one page, all KV
-    heads). Refine reads the keys of the pages it refines, which the profile does not
-    count, so it gets its time only."""  # fmt: skip
+    heads). The other stages get their time only."""  # fmt: skip
     layers = geometry["num_layers"]
     pages = batch * math.ceil(context / 64)
     page_kv_bytes = 64 * geometry["num_kv_heads"] * geometry["head_size"] * 2 * \
@@ -364,7 +362,7 @@ def moira_module(backend: str):
 
 
 #: MoiraConfig fields fixed per engine that every MOIRA row names.
-ENGINE_FIELDS = ("estimator", "summary_dtype", "refine", "audit_every", "mode")
+ENGINE_FIELDS = ("estimator", "summary_dtype", "audit_every", "mode")
 
 
 def engine_fields(moira_config: dict | None, backend: str = "MOIRA") -> dict:
@@ -823,7 +821,7 @@ def base_row(ctx, context, batch, arm) -> dict:
         "selector": arm["selector"], "gamma": arm["gamma"],
         "fixed_fraction": arm["fixed_fraction"], "reads": None, "tpot_ms": None, "steps": 0,
         "p10_ms": None, "p90_ms": None,
-        # The engine's estimator, summary dtype, refinement and audit period (0 = off):
+        # The engine's estimator, summary dtype and audit period (0 = off):
         # MOIRA engines that differ only in them merge apart, and the rows of the
         # shipped defaults say "default".
         **({k: ctx[k] for k in ENGINE_FIELDS if ctx.get(k) is not None}

@@ -86,11 +86,9 @@ SCALE = D**-0.5
 # Cases
 # --------------------------------------------------------------------------
 def build_case(batch, context, layout="token_major", pattern="concentrated", seed=0,
-               ragged=True, kv_cache_dtype="auto", query_scale=1.0):  # fmt: skip
+               ragged=True, kv_cache_dtype="auto"):  # fmt: skip
     """A decode batch; ``kv_cache_dtype="fp8"``: its cache quantized to e4m3
-    with per-layer scales (``case["scales"]``, the kernels' k_scale / v_scale).
-    ``query_scale``: the queries times this (3: x^2 . sigma^2 of a random page about 9,
-    so that refine="wide" has wide pages to refine)."""
+    with per-layer scales (``case["scales"]``, the kernels' k_scale / v_scale)."""
     if kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -102,7 +100,7 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
     torch.manual_seed(seed)
     kv = make_kv_cache(num_blocks, HKV, D, layout, device="cuda")
     table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen, device="cuda")
-    query = (torch.randn(batch, HQ, D, device="cuda") * query_scale).to(torch.bfloat16)
+    query = torch.randn(batch, HQ, D, device="cuda").to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
     scales = {}
     if kv_cache_dtype == "fp8":
@@ -138,15 +136,9 @@ def reference_cache(case):
 
 
 def split_summary_dtype(name):
-    """``"int8:mvar_top8"`` -> ``("mvar_top8", "int8")``; a plain estimator -> bf16. A
-    ``+wide`` suffix (``refine_of``) is not part of the summaries' name."""
-    estimator, storage = ref.parse_stored_estimator(name.removesuffix("+wide"))
+    """``"int8:mvar_top8"`` -> ``("mvar_top8", "int8")``; a plain estimator -> bf16."""
+    estimator, storage = ref.parse_stored_estimator(name)
     return estimator, storage or "bfloat16"
-
-
-def refine_of(name):
-    """``"int8:mvar_top8+wide"`` -> ``"wide"`` (MoiraConfig.refine); no suffix -> ``"off"``."""
-    return "wide" if name.endswith("+wide") else "off"
 
 
 def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
@@ -163,12 +155,11 @@ def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
 def estimator_case(case, name):
     """The case with the summaries of ``name`` (an estimator, ``int8:`` for int8
     summaries; same cache, queries, rows)."""
-    summary_name = name.removesuffix("+wide")
-    if summary_name == case.get("estimator", moira.MoiraConfig().estimator):
+    if name == case.get("estimator", moira.MoiraConfig().estimator):
         return case
     estimator, summary_dtype = split_summary_dtype(name)
     summaries = write_summaries(case["kv"], estimator, summary_dtype, k_scale_of(case))
-    return dict(case, summaries=summaries, estimator=summary_name)
+    return dict(case, summaries=summaries, estimator=name)
 
 
 def workspace(case, config, launch=None):
@@ -401,9 +392,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
     ``estimate_rows`` rows, and the sparse output vs float32 attention over the same lists."""
     name = estimator or moira.MoiraConfig().estimator
     estimator, summary_dtype = split_summary_dtype(name)
-    refine = refine_of(name)
-    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
-                                     refine=refine)  # fmt: skip
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     out, ws = run_moira(case, config)
     batch = out.shape[0]
     logmass = ws.logmass[:batch].cpu()
@@ -429,7 +418,6 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         lists.append(row_lists)
     est_err = 0.0
     sparse_err = 0.0
-    refined = refine_disagreements = middle_pages = 0
     fp32_summaries = ref.read_summaries(case["summaries"])
     for row in range(min(estimate_rows, batch)):
         seq_len = case["seq_lens"][row]
@@ -437,34 +425,15 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         expected = ref.estimate_row_logmass(
             case["query"][row], reference_cache(case), fp32_summaries,
             case["table"][row], seq_len, SCALE, estimator)  # fmt: skip
-        if refine == "wide":
-            expected, mask = ref.refine_row_logmass(
-                case["query"][row], reference_cache(case), fp32_summaries, case["table"][row],
-                seq_len, SCALE, expected, gamma, estimator)  # fmt: skip
         diff = (logmass[row, :, :, :n] - expected.cpu()).abs()
-        if refine == "wide":
-            # A page at the band's or the wide test's edge may be refined on one side only
-            # (summation order): counted, and left out of the estimate's error.
-            disagree = diff.amax(dim=1) > 1e-2
-            refine_disagreements += int(disagree.sum())
-            diff = diff.masked_fill(disagree.unsqueeze(1), 0.0)
-            refined += int(mask.sum())
-            middle_pages += mask.shape[0] * max(n - 2, 0)
         est_err = max(est_err, float(diff.max()))
         keys, values = ref.row_keys_values(reference_cache(case), case["table"][row], seq_len)
         sparse = ref.attend_pages(case["query"][row], keys, values, lists[row],
                                   seq_len, SCALE)[0]  # fmt: skip
         sparse_err = max(sparse_err, float((out[row].float() - sparse).abs().max()))
-    extra = {}
-    if refine == "wide":
-        extra = {"refined_fraction_reference": refined / max(middle_pages, 1),
-                 "refine_pages_checked": middle_pages,
-                 "refine_disagreements": refine_disagreements}  # fmt: skip
     return {
         "estimator": estimator,
         "summary_dtype": summary_dtype,
-        "refine": refine,
-        **extra,
         "gamma": gamma,
         "rows_checked": rows_checked,
         "rows_equal": rows_equal,
@@ -533,20 +502,16 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     ``sweep_launch``: also Estimate under every ESTIMATE_SWEEP candidate, each
     checked against the default's log-masses."""
     estimator, summary_dtype = split_summary_dtype(name)
-    refine = refine_of(name)
     batch = case["query"].shape[0]
-    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype,
-                                     refine=refine)  # fmt: skip
+    config = moira.MoiraConfig.paper(gamma=gamma, estimator=estimator, summary_dtype=summary_dtype)
     ws = workspace(case, config)
     args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
     k_scale = k_scale_of(case)
-    row = {"estimator": estimator, "summary_dtype": summary_dtype, "refine": refine,
+    row = {"estimator": estimator, "summary_dtype": summary_dtype,
            "summary_slots": moira.summary_slots(estimator)}  # fmt: skip
     row["estimate_select_us"] = graph_time_us(
         lambda: moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
     )
-    if refine == "wide":
-        row["refined_fraction"] = refined_fraction(case, ws, estimator, k_scale)
     row["estimate_us"] = graph_time_us(
         lambda: moira.estimate_page_logmass(
             *args, ws.logmass, SCALE, estimator, k_scale=k_scale, launch=ws.launch
@@ -569,8 +534,6 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
                                launch=launch)  # fmt: skip
 
         row["estimate_sweep"] = sweep_estimate_launch(case, estimate, ws)
-        if refine == "wide":
-            row["refine_sweep"] = sweep_refine_launch(case, config)
         estimate(ws.launch)
         row["select_sweep"] = sweep_select_launch(ws, select, batch)
     pages = sum(math.ceil(n / PAGE) for n in case["seq_lens"])
@@ -593,26 +556,6 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
     )
     row["blocks"] = int(summaries.shape[0])
     return row
-
-
-def refined_fraction(case, ws, estimator, k_scale):
-    """Share of the middle pages whose log-mass refine="wide" replaced in one step:
-    Estimate's log-masses against those after estimate_and_select (outside the timed graph)."""
-    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    moira.estimate_page_logmass(
-        *args, ws.logmass, SCALE, estimator, k_scale=k_scale, launch=ws.launch
-    )
-    before = ws.logmass.clone()
-    moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale)
-    changed = middle = 0
-    for row, seq_len in enumerate(case["seq_lens"]):
-        n = math.ceil(seq_len / PAGE)
-        if n <= 2:
-            continue
-        moved = (ws.logmass[row, :, :, 1 : n - 1] != before[row, :, :, 1 : n - 1]).any(dim=1)
-        changed += int(moved.sum())
-        middle += moved.numel()
-    return changed / max(middle, 1)
 
 
 def check_layouts(case_token_major):
@@ -686,18 +629,6 @@ ATTEND_SWEEP = [
     {"maxnreg": 128},
     {"maxnreg": None},
     *({"attend_fill_blocks": f} for f in (264, 396, 792, 1024)),
-]
-#: Refine launch candidates (moira.refine_launch), timed as Estimate + Select with
-#: refine="wide" (the estimators named "...+wide" under --sweep-estimate-select); each
-#: must give the default's lists.
-REFINE_SWEEP = [
-    {"tile_pages": 64},
-    {"tile_pages": 32},
-    {"pipeline_stages": 2},
-    {"num_warps": 2},
-    {"num_warps": 8},
-    {"step_programs": 1024},
-    {"step_programs": 16384},
 ]
 #: ATTEND_SWEEP keys that change Attend's launch; the others change MoiraConfig.
 ATTEND_LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")
@@ -778,30 +709,6 @@ def sweep_select_launch(ws, select, batch):
         rows.append({"long_lanes": lanes, "long_num_warps": warps, "us": us,
                      "same_lists": same})  # fmt: skip
         print("select", lanes, warps, f"{us:.2f} us", same, flush=True)
-    return rows
-
-
-def sweep_refine_launch(case, config):
-    """Time Estimate + Select (``config``, refine="wide") under each REFINE_SWEEP change
-    of the refine kernel's launch, each on a workspace of its own; each must give the
-    default launch's page lists and counts."""
-    args = (case["query"], case["kv"], case["summaries"], case["table"], case["seq"])
-    batch = case["query"].shape[0]
-    ws = workspace(case, config)
-    moira.estimate_and_select(*args, ws, SCALE, k_scale=k_scale_of(case))
-    reference = (ws.page_list[:batch].clone(), ws.list_lengths[:batch].clone())
-    rows = []
-    for change in REFINE_SWEEP:
-        ws_c = workspace(case, config, with_launch(refine=change))
-
-        def run(ws_c=ws_c):
-            moira.estimate_and_select(*args, ws_c, SCALE, k_scale=k_scale_of(case))
-
-        same = _same_lists_after(run, ws_c, batch, reference)
-        us = graph_time_us(run)
-        resolved = moira.refine_launch(ws_c.launch.get("refine"))._asdict()
-        rows.append({**resolved, "us": us, "same_lists": same})
-        print("refine", resolved, f"{us:.2f} us", same, flush=True)
     return rows
 
 
@@ -990,11 +897,8 @@ def main():
         default="",
         help=f"comma list of {moira.MOIRA_ESTIMATORS} to check and time; prefix 'int8:' "
         "or 'int4:' (e.g. int4:mvar_top8) for int8 summaries or int4 stored keys "
-        "(MOIRA_SUMMARY_DTYPE), suffix '+wide' for MOIRA_REFINE=wide (e.g. "
-        "int8:mvar_top8+wide)",
+        "(MOIRA_SUMMARY_DTYPE)",
     )
-    parser.add_argument("--query-scale", type=float, default=1.0,
-                        help="queries times this (3: wide pages for refine arms)")  # fmt: skip
     parser.add_argument("--only-estimators", action="store_true",
                         help="with --estimators: skip the other checks and timings")  # fmt: skip
     parser.add_argument("--skip-checks", action="store_true",
@@ -1025,8 +929,7 @@ def main():
     for name in estimators:
         estimator, summary_dtype = split_summary_dtype(name)
         moira.estimator_num_top(estimator)  # unknown name: error before any work
-        moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype,
-                                refine=refine_of(name)).validate()  # fmt: skip
+        moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype).validate()
     if args.only_estimators and not estimators:
         parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)
@@ -1042,8 +945,7 @@ def main():
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
         t0 = time.time()
-        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype,
-                          query_scale=args.query_scale)  # fmt: skip
+        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype)
         entry = {"shape": shape, "seq_lens": case["seq_lens"]}
         if not args.only_estimators and not args.skip_checks:
             entry["gamma_one"] = check_gamma_one(case)

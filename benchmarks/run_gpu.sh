@@ -19,10 +19,6 @@ Steps (NAME[:ARG]):
   tpot[:SHAPES]        bench_tpot.py: FLASH_ATTN, then MOIRA, then --merge into tpot.json
                        (SHAPES: CONTEXTxBATCH,... e.g. tpot:130048x4,8192x32; default:
                        the script's shapes)
-  tpot-refine[:SHAPES] FLASH_ATTN, then MOIRA with MOIRA_REFINE=wide (the default) and off,
-                       the fixed-count arms only (the speed rows' reads; no coverage arm,
-                       which reads every page on dummy weights), --gen 32, into
-                       tpot_refine.json (SHAPES default 130048x4,8192x32)
   kernel-spread        bench_kernel_spread.py (CV 0, 1 and the real fractions)
   keyq-estimate[:SHAPES]
                        benchmarks/probes/keyq_estimate.py: Estimate on a 4-bit centered key
@@ -36,11 +32,6 @@ Steps (NAME[:ARG]):
   vllm-tests[:GAMMA]    vLLM's own backend tests with MOIRA added (patch 0007), through
                        tests/upstream/run_vllm_tests.py; needs `run_vllm_tests.py stage`
                        run beforehand on a machine with the sdist (GAMMA default 1)
-  refine[:SHAPES]      moira_correctness.py on int8 mvar, int8 mvar_top8 and int8 mvar_top8
-                       with MOIRA_REFINE=wide, and mvar_top8 with int4 keys, alone and with
-                       wide, queries x3 (wide pages to refine): lists vs the reference,
-                       Estimate + Select timed side by side, the refined share; into
-                       refine.json / refine_timing.json (SHAPES default 4x131072,32x8192)
   estimate-sweep[:ESTIMATORS]
                        moira_correctness.py --only-estimators --sweep-estimate-select:
                        the estimators' lists vs the reference, then Estimate under every
@@ -48,12 +39,6 @@ Steps (NAME[:ARG]):
                        Select under every SELECT_SWEEP launch, each checked against the
                        default's output, at 4x131072 and 32x8192, into estimate_sweep.json
                        (ESTIMATORS default int8:mvar_top8,int4:mvar_top8)
-  refine-sweep[:SHAPES]
-                       the same for int8:mvar_top8+wide with queries x3 (wide pages to
-                       refine), plus Estimate + Select under every REFINE_SWEEP launch
-                       (refine loop stages, warps, tiles, programs per step), each
-                       checked against the default's lists, into refine_sweep.json
-                       (SHAPES default 4x131072,32x8192)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
                        launch candidate (ATTEND_SWEEP: warps, stages, register caps, N_F)
@@ -64,7 +49,7 @@ Steps (NAME[:ARG]):
   accuracy-suite[:ENGINES]
                        run_accuracy_vllm.py suite: the engines side by side on the GPU,
                        then merge, into OUT/accuracy_suite (ENGINES: comma-separated of
-                       dense, moira, moira_mvar, moira_refine, moira_int4; default
+                       dense, moira, moira_mvar, moira_int4; default
                        the first three); needs --acc-prompts
                        and --acc-model
   tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
@@ -112,11 +97,10 @@ Options:
   --acc-prompts FILE   accuracy prompts (run_accuracy_vllm export; default
                        .stage/accuracy/prompts.json); also the text of tpot-real and
                        serving-real
-  --tpot-arms LIST     tpot-real's MOIRA engines, space-separated (default "moira wide
+  --tpot-arms LIST     tpot-real's MOIRA engines, space-separated (default "moira
                        mvar"): moira (as configured: the default when no MOIRA_* is
-                       set), wide / off (that MOIRA_REFINE), mvar (MOIRA_ESTIMATOR=mvar),
-                       int4 / int8 (that MOIRA_SUMMARY_DTYPE), audit
-                       (MOIRA_AUDIT_EVERY=64)
+                       set), mvar (MOIRA_ESTIMATOR=mvar), int4 / int8 (that
+                       MOIRA_SUMMARY_DTYPE), audit (MOIRA_AUDIT_EVERY=64)
   --yarn-prompts FILE  yarn_dense.py export (default .stage/yarn/prompts.json.gz)
   --acc-model DIR      accuracy model, a local HF directory (scripts/prepare_model.py or
                        scripts/gpu_carry_model.py assemble; default .stage/accuracy/model);
@@ -140,7 +124,7 @@ STEP_TIMEOUT=0
 KV_DTYPE="auto"
 ACC_PROMPTS=".stage/accuracy/prompts.json"
 ACC_MODEL=".stage/accuracy/model"
-TPOT_ARMS="moira wide mvar"
+TPOT_ARMS="moira mvar"
 YARN_PROMPTS=".stage/yarn/prompts.json.gz"
 NEED_YARN=0
 STEPS=()
@@ -187,8 +171,8 @@ SUFFIX=""
 KV_ARGS=(--kv-cache-dtype "${KV_DTYPE}")
 for arm in ${TPOT_ARMS}; do
     case "${arm}" in
-        moira | wide | off | mvar | int4 | int8 | audit) ;;
-        *) echo "run_gpu.sh: --tpot-arms takes moira, wide, off, mvar, int4, int8 and audit," \
+        moira | mvar | int4 | int8 | audit) ;;
+        *) echo "run_gpu.sh: --tpot-arms takes moira, mvar, int4, int8 and audit," \
             "not '${arm}'" >&2; exit 2 ;;
     esac
 done
@@ -198,9 +182,8 @@ if [[ ${#STEPS[@]} -eq 0 ]]; then
 fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
-        gpu-tests | correctness | tpot | tpot-refine | kernel-spread | keyq-estimate | serving | soak | smoke | e2e \
-            | summaries | vllm-tests | accuracy | refine | estimate-sweep | refine-sweep \
-            | attend-sweep) ;;
+        gpu-tests | correctness | tpot | kernel-spread | keyq-estimate | serving | soak | smoke | e2e \
+            | summaries | vllm-tests | accuracy | estimate-sweep | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
         yarn-dense) NEED_YARN=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
@@ -300,7 +283,7 @@ fi
 log "built at ${COMMIT} (dirty: ${DIRTY})"
 
 # bench_tpot.py engines of one step: FLASH_ATTN, then MOIRA once per mode ("moira": the
-# environment's MOIRA_*; "wide" / "off": that MOIRA_REFINE; "mvar": MOIRA_ESTIMATOR=mvar;
+# environment's MOIRA_*; "mvar": MOIRA_ESTIMATOR=mvar;
 # "int4" / "int8": that MOIRA_SUMMARY_DTYPE; "audit": MOIRA_AUDIT_EVERY=64),
 # each into OUT/NAME_MODE.json,
 # then --merge into OUT/NAME.json once the dense record and a MOIRA one exist.
@@ -321,7 +304,6 @@ tpot_engines() {
                 mvar) env_args=(MOIRA_ESTIMATOR=mvar) ;;
                 int4 | int8) env_args=(MOIRA_SUMMARY_DTYPE="${mode}") ;;
                 audit) env_args=(MOIRA_AUDIT_EVERY=64) ;;
-                *) env_args=(MOIRA_REFINE="${mode}") ;;
             esac
             run "${name}_${mode}" env ${env_args[@]+"${env_args[@]}"} python \
                 benchmarks/bench_tpot.py "$@" --backend MOIRA \
@@ -349,26 +331,12 @@ for step in "${STEPS[@]}"; do
                 --shapes "${arg:-4x131072,32x8192}" --json "${OUT}/correctness${SUFFIX}.json" \
                 --timing-json "${OUT}/correctness${SUFFIX}_timing.json"
             ;;
-        refine)
-            run "refine${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
-                --only-estimators \
-                --estimators int8:mvar,int8:mvar_top8,int8:mvar_top8+wide,int4:mvar_top8,int4:mvar_top8+wide \
-                --query-scale 3 --shapes "${arg:-4x131072,32x8192}" \
-                --json "${OUT}/refine${SUFFIX}.json" --timing-json "${OUT}/refine${SUFFIX}_timing.json"
-            ;;
         estimate-sweep)
             run "estimate_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
                 --only-estimators --sweep-estimate-select \
                 --json "${OUT}/estimate_sweep_checks${SUFFIX}.json" \
                 --estimators "${arg:-int8:mvar_top8,int4:mvar_top8}" --shapes 4x131072,32x8192 \
                 --timing-json "${OUT}/estimate_sweep${SUFFIX}.json"
-            ;;
-        refine-sweep)
-            run "refine_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
-                --only-estimators --sweep-estimate-select --query-scale 3 \
-                --json "${OUT}/refine_sweep_checks${SUFFIX}.json" \
-                --estimators int8:mvar_top8+wide --shapes "${arg:-4x131072,32x8192}" \
-                --timing-json "${OUT}/refine_sweep${SUFFIX}.json"
             ;;
         attend-sweep)
             run "attend_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
@@ -380,12 +348,6 @@ for step in "${STEPS[@]}"; do
             [[ -n "${arg}" ]] && shapes=(--shapes "${arg}")
             tpot_engines "tpot${SUFFIX}" moira "" --model "${MODEL}" "${KV_ARGS[@]}" \
                 "${shapes[@]}"
-            ;;
-        tpot-refine)
-            # The refinement's end-to-end cost at the speed rows' fixed reads: one dense
-            # engine, MOIRA with and without it ("--gammas=": no coverage arm).
-            tpot_engines "tpot_refine${SUFFIX}" "wide off" "--gammas=" --model "${MODEL}" \
-                "${KV_ARGS[@]}" --shapes "${arg:-130048x4,8192x32}" --gen 32
             ;;
         keyq-estimate)
             run keyq_estimate python -m benchmarks.probes.keyq_estimate --sweep \

@@ -24,9 +24,8 @@ Three steps:
    ``moira_rpc.set_selector``) at the read fraction that the ``--fixed-at`` arm (0.98) measured
    on the same documents. The estimator is fixed when the KV cache is allocated
    (``--estimator`` sets ``MOIRA_ESTIMATOR``), so the paper's ``mvar`` is its own engine:
-   ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed`` (and ``--refine wide``,
-   ``MOIRA_REFINE``, likewise; its arms are labelled ``moira[mvar_top8+wide]@g``; and
-   ``--summary-dtype int4``, labelled ``moira[int4:mvar_top8]@g``). Documents run in
+   ``--estimator mvar --gammas 0.99 0.98 --no-control --no-fixed`` (and ``--summary-dtype
+   int4`` likewise, its arms labelled ``moira[int4:mvar_top8]@g``). Documents run in
    chunks of one context (``--chunk-tokens``) and every arm runs on a chunk before the next
    chunk: with prefix caching (on by default) the later arms reuse the first arm's prefill,
    so an arm costs little more than its decode steps. Reads: Select's counters, reset
@@ -345,8 +344,6 @@ def run(args) -> None:
             os.environ["MOIRA_ESTIMATOR"] = args.estimator
         if args.summary_dtype:
             os.environ["MOIRA_SUMMARY_DTYPE"] = args.summary_dtype
-        if args.refine:
-            os.environ["MOIRA_REFINE"] = args.refine
     t_start = time.time()
     prompts = load_json(args.prompts)
     docs = [
@@ -363,10 +360,9 @@ def run(args) -> None:
         from vllm.v1.worker import moira_rpc
 
         config = moira.moira_config_from_env()
-        # Arms of a refining engine, or of one on int4 summaries, are labelled apart
-        # ("moira[mvar_top8+wide]@0.99", "moira[int4:mvar_top8]@0.99"), as the
-        # estimator study names them.
-        estimator = config.estimator + ("+wide" if config.refine == "wide" else "")
+        # Arms of an engine on int4 summaries are labelled apart
+        # ("moira[int4:mvar_top8]@0.99"), as the estimator study names them.
+        estimator = config.estimator
         if config.summary_dtype == "int4":
             estimator = f"int4:{estimator}"
     arms = plan_arms(
@@ -497,20 +493,10 @@ SUITE_ENGINES: dict[str, list[str]] = {
         "--backend", "MOIRA", "--estimator", "mvar", "--gammas", "0.99", "0.98",
         "--no-control", "--no-fixed",
     ],
-    # The default estimator with Estimate's second stage (MOIRA_REFINE=wide).
-    "moira_refine": [
-        "--backend", "MOIRA", "--refine", "wide", "--gammas", "0.99", "0.98",
-        "--no-control", "--no-fixed",
-    ],
     # The default estimator on int4 summaries (4-bit stored keys: 7/256 of the KV cache).
     "moira_int4": [
         "--backend", "MOIRA", "--summary-dtype", "int4", "--gammas", "0.99", "0.98",
         "--no-control", "--no-fixed",
-    ],
-    # Both: int4 summaries with the refinement (the refinement reads the cache's own keys).
-    "moira_int4_refine": [
-        "--backend", "MOIRA", "--summary-dtype", "int4", "--refine", "wide",
-        "--gammas", "0.99", "0.98", "--no-control", "--no-fixed",
     ],
 }  # fmt: skip
 
@@ -802,8 +788,6 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--max-new", type=int, default=0, help="default: the export's max_new")
     rn.add_argument("--estimator", help="MOIRA_ESTIMATOR for this engine (default: the env's)")
     rn.add_argument("--summary-dtype", help="MOIRA_SUMMARY_DTYPE (default: the env's)")
-    rn.add_argument("--refine", choices=["off", "wide"],
-                    help="MOIRA_REFINE for this engine (default: the env's)")  # fmt: skip
     rn.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="vLLM's --kv-cache-dtype: auto (bf16) or fp8 (e4m3, per-layer K/V "
                     "scales); merge compares runs of one KV dtype")  # fmt: skip

@@ -467,7 +467,7 @@ def analyse(blob: dict, scale: float, estimators, gammas, stats: dict, label: st
                     mask = None
                     if gated:
                         summ = summaries[gated[0]][page_rows]
-                        wide = ref.wide_pages(q, summ, scale, summ.shape[2] - 2, gated[3])
+                        wide = research.wide_pages(q, summ, scale, summ.shape[2] - 2, gated[3])
                         est, mask = research.two_stage_logmass(
                             ests[gated[0]], ests[gated[1]], gamma, gated[2], math.inf, wide
                         )

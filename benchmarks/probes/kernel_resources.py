@@ -60,8 +60,6 @@ KERNEL_NAMES = (
 #: the pages that decode rows fill): their per-channel sums must be reduced in
 #: the same order (summary_sum_layouts).
 SUMMARY_KERNEL_NAMES = ("kernel_moira_write_summaries", "kernel_moira_estimate")
-#: refine="wide"'s kernel, between its two Selects.
-REFINE_KERNEL_NAMES = ("kernel_moira_refine",)
 #: Launch options of Triton's launcher, not kernel arguments.
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
 #: Per SM on sm_90 (H100 / H200).
@@ -111,8 +109,7 @@ def captured_launches(moira):
             return record
 
     # (--src trees from before the "pages" schedule have no such kernels.)
-    names = KERNEL_NAMES + REFINE_KERNEL_NAMES
-    originals = {name: getattr(moira, name) for name in names if hasattr(moira, name)}
+    originals = {name: getattr(moira, name) for name in KERNEL_NAMES if hasattr(moira, name)}
     dependent = moira._dependent_launch
     try:
         for name, fn in originals.items():
@@ -128,7 +125,7 @@ def captured_launches(moira):
 
 def decode_step_launches(moira, rows: int, context: int, estimator: str, summary_dtype: str,
                          num_q_heads: int = 32, num_kv_heads: int = 8, head_size: int = 128,
-                         kv_cache_dtype: str = "auto", refine: str | None = None,
+                         kv_cache_dtype: str = "auto",
                          launch: dict | None = None) -> list:  # fmt: skip
     """The launches of one decode layer (summary writer, Estimate, Select,
     Attend, Merge) at ``rows`` x ``context`` tokens. Tensors are small where
@@ -138,9 +135,7 @@ def decode_step_launches(moira, rows: int, context: int, estimator: str, summary
     (moira.check_launch_overrides)."""
     import torch
 
-    # refine="wide": two Selects with the refine kernel between them
-    changes = {"refine": refine} if refine else {}
-    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype, **changes)
+    config = moira.MoiraConfig.paper(estimator=estimator, summary_dtype=summary_dtype)
     max_pages = -(-context // moira.MOIRA_PAGE_SIZE)
     num_blocks = 16
     kv = torch.zeros(num_blocks, num_kv_heads, moira.MOIRA_PAGE_SIZE, 2 * head_size,
@@ -344,22 +339,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="JSON of Attend launch overrides (moira.attend_launch), e.g. '{\"num_stages\": 4}'",
     )
-    ap.add_argument(
-        "--refine-launch",
-        default=None,
-        help="JSON of refine launch overrides (moira.refine_launch), e.g. "
-        "'{\"pipeline_stages\": 3}'",
-    )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the kernels' fp8 KV cache variant (e4m3, K/V scales)")  # fmt: skip
-    ap.add_argument("--refine", default=None, help="MoiraConfig.refine (default: off)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     moira = _import_moira(a.src, a.triton_path)
     import triton
 
     launch = {kernel: json.loads(text) for kernel, text in (
-        ("estimate", a.estimate_launch), ("attend", a.attend_launch), ("refine", a.refine_launch),
+        ("estimate", a.estimate_launch), ("attend", a.attend_launch),
     ) if text}  # fmt: skip
     if launch:
         try:
@@ -370,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     estimator = a.estimator or moira.MOIRA_DEFAULT_ESTIMATOR
     summary_dtype = a.summary_dtype or moira.MOIRA_DEFAULT_SUMMARY_DTYPE
     launches = decode_step_launches(moira, a.rows, a.context, estimator, summary_dtype,
-                                    kv_cache_dtype=a.kv_cache_dtype, refine=a.refine,
-                                    launch=launch)  # fmt: skip
+                                    kv_cache_dtype=a.kv_cache_dtype, launch=launch)  # fmt: skip
     rows = kernel_resources(launches, moira.MOIRA_PAGE_SIZE)
     for r in rows:
         print(f"{r['kernel']:32s} warps {r['num_warps']:2d}  registers {r['registers']:3d}  "
@@ -392,7 +379,6 @@ def main(argv: list[str] | None = None) -> int:
             "estimator": estimator,
             "summary_dtype": summary_dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
-            "refine": a.refine or "off",
             "estimate_launch": moira.estimate_launch(
                 moira.estimator_num_top(estimator),
                 summary_dtype != "bfloat16",
@@ -401,7 +387,6 @@ def main(argv: list[str] | None = None) -> int:
             "attend_launch": moira.attend_launch(
                 a.kv_cache_dtype == "fp8", launch.get("attend")
             )._asdict(),
-            "refine_launch": moira.refine_launch(launch.get("refine"))._asdict(),
             "same_summary_sum_layouts": same_summary_layouts,
             "rows": rows,
         }

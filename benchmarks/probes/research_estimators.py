@@ -236,6 +236,20 @@ def cap_refined(mask: torch.Tensor, pibar: torch.Tensor, fraction: float) -> tor
     return capped & mask
 
 
+def wide_pages(
+    query: torch.Tensor, page_summaries: torch.Tensor, scale: float, num_top: int, factor: float
+) -> torch.Tensor:
+    """The spread gate of the ``2v`` family: ``[H_kv, n]`` mask of the pages whose group-mean
+    variance along ``x = s q``, ``x^2 . sigma^2`` (slot 1 of the ``[n, H_kv, S, D]``
+    summaries as Estimate reads them), is at least ``factor`` times REM's critical variance
+    ``2 ln m`` (m = 64 - ``num_top`` summarized keys): the pages whose spread term is large
+    enough to over-estimate them."""
+    h_kv = page_summaries.shape[1]
+    x = query.float().view(h_kv, -1, query.shape[-1]) * scale
+    v = torch.einsum("hgd,nhd->hgn", x * x, page_summaries[:, :, 1].float()).mean(dim=1)
+    return v >= factor * 2.0 * math.log(ref.PAGE_SIZE - num_top)
+
+
 def radius_upper_logmass(
     query: torch.Tensor, mean: torch.Tensor, radius: torch.Tensor, scale: float
 ) -> torch.Tensor:

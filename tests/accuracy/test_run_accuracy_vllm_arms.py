@@ -126,14 +126,13 @@ def _install_fakes(monkeypatch, prompts):
     class Cfg:
         estimator: str = "mvar_top8"
         summary_dtype: str = "int8"
-        refine: str = "off"
 
     def from_env():
         import os
 
         return Cfg(
             os.environ.get("MOIRA_ESTIMATOR", "mvar_top8"),
-            refine=os.environ.get("MOIRA_REFINE", "off"),
+            os.environ.get("MOIRA_SUMMARY_DTYPE", "int8"),
         )
 
     vllm = types.ModuleType("vllm")
@@ -160,6 +159,7 @@ def _install_fakes(monkeypatch, prompts):
     }.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delenv("MOIRA_ESTIMATOR", raising=False)
+    monkeypatch.delenv("MOIRA_SUMMARY_DTYPE", raising=False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     FakeEngine.instances = []
 
@@ -404,11 +404,11 @@ def test_export_qwen_fits_the_contexts(tmp_path):
         assert d["sample"]["context"] == 4096
 
 
-def test_run_refine_labels_its_arms_apart(tmp_path, suite, monkeypatch):
-    monkeypatch.setenv("MOIRA_REFINE", "off")  # restored after the run sets it
-    record = _run(tmp_path, suite[1], "--no-control", "--no-fixed", "--refine", "wide")
+def test_run_on_int4_summaries_labels_its_arms_apart(tmp_path, suite, monkeypatch):
+    monkeypatch.setenv("MOIRA_SUMMARY_DTYPE", "int8")  # restored after the run sets it
+    record = _run(tmp_path, suite[1], "--no-control", "--no-fixed", "--summary-dtype", "int4")
     assert [a["label"] for a in record["arms"]] == [
-        "moira[mvar_top8+wide]@0.99",
-        "moira[mvar_top8+wide]@0.98",
-        "moira[mvar_top8+wide]@0.5",
+        "moira[int4:mvar_top8]@0.99",
+        "moira[int4:mvar_top8]@0.98",
+        "moira[int4:mvar_top8]@0.5",
     ]

@@ -88,19 +88,6 @@ def test_a_suite_without_dense_is_refused(tmp_path):
         R.suite(args)
 
 
-def test_the_refine_engine_is_opt_in_and_labels_its_arms_apart():
-    commands = R.suite_commands(_args("--engines", "dense", "moira", "moira_refine"))
-    refine = commands["moira_refine"][0]
-    assert _value(refine, "--refine") == "wide" and "--no-fixed" in refine
-    assert R.build_parser().parse_args(refine[refine.index("run") :]).refine == "wide"
-    assert "moira_refine" not in R.suite_commands(_args())
-    arms = R.plan_arms("MOIRA", "mvar_top8+wide", [0.99, 0.98], False, None)
-    assert [a["label"] for a in arms] == [
-        "moira[mvar_top8+wide]@0.99",
-        "moira[mvar_top8+wide]@0.98",
-    ]
-
-
 def test_the_int4_engine_is_opt_in_and_sets_the_summary_dtype():
     commands = R.suite_commands(_args("--engines", "dense", "moira_int4"))
     int4 = commands["moira_int4"][0]
@@ -110,7 +97,7 @@ def test_the_int4_engine_is_opt_in_and_sets_the_summary_dtype():
 
 
 def test_four_engines_share_the_kv_cache_and_keep_their_chunks_within_it():
-    engines = ("dense", "moira_refine", "moira_int4", "moira_int4_refine")
+    engines = ("dense", "moira", "moira_mvar", "moira_int4")
     commands = R.suite_commands(_args("--engines", *engines), total_gib=90.0)
     for cmd, _ in commands.values():
         # 90 GiB of KV cache over four engines, the chunk scaled alike (3/4 of each)
@@ -125,12 +112,6 @@ def test_four_engines_share_the_kv_cache_and_keep_their_chunks_within_it():
     for cmd, _ in given.values():
         assert _value(cmd, "--kv-cache-memory-gib") == "12.0"
         assert _value(cmd, "--chunk-tokens") == "1000"
-
-
-def test_the_int4_refine_engine_sets_both():
-    cmd = R.suite_commands(_args("--engines", "dense", "moira_int4_refine"))["moira_int4_refine"][0]
-    args = R.build_parser().parse_args(cmd[cmd.index("run") :])
-    assert args.summary_dtype == "int4" and args.refine == "wide" and args.no_fixed
 
 
 def test_a_smaller_gpu_scales_the_caches_down():

@@ -72,14 +72,13 @@ def test_classify_and_summarize_kernels():
 
 
 def test_stage_rates_per_layer_bytes_and_share_of_copy_rate():
-    assert bt.classify_kernel("kernel_moira_refine_0d1d") == "refine"
     # 28 layers, 2 KV heads, D 128, bf16 KV; 16 rows of 8,192 tokens = 2,048 pages.
     geometry = {"num_layers": 28, "num_kv_heads": 2, "head_size": 128, "kv_element_bytes": 2,
                 "summary_page_bytes": 2 * 11 * 128}  # fmt: skip
-    breakdown = {"estimate_ms": 0.56, "attend_ms": 2.8, "refine_ms": 0.28, "gemm_ms": 3.0,
+    breakdown = {"estimate_ms": 0.56, "attend_ms": 2.8, "select_ms": 0.28, "gemm_ms": 3.0,
                  "kernels_total_ms": 6.64, "estimate_select_ms": 0.7}  # fmt: skip
     r = bt.stage_rates(breakdown, geometry, context=8192, batch=16, reads=0.5, copy_gbps=3000.0)
-    assert r["us_per_layer"] == pytest.approx({"estimate": 20.0, "attend": 100.0, "refine": 10.0})
+    assert r["us_per_layer"] == pytest.approx({"estimate": 20.0, "attend": 100.0, "select": 10.0})
     assert "gemm" not in r["us_per_layer"]
     pages = 16 * 128
     assert r["bytes_per_layer"]["estimate"] == pages * 2 * 11 * 128
@@ -87,7 +86,7 @@ def test_stage_rates_per_layer_bytes_and_share_of_copy_rate():
     assert r["bytes_per_layer"]["attend"] == kv
     assert r["gbps"]["attend"] == pytest.approx(kv / 100.0 / 1e3)
     assert r["of_copy_rate"]["attend"] == pytest.approx(kv / 100.0 / 1e3 / 3000.0)
-    assert "refine" not in r["gbps"]  # its bytes are not known from the shape
+    assert "select" not in r["gbps"]  # its bytes are not known from the shape
     dense = bt.stage_rates({"fa3_ms": 2.8}, geometry, 8192, 16, None, None)
     assert dense["bytes_per_layer"]["fa3"] == 2 * kv and dense["of_copy_rate"] == {}
 
@@ -222,27 +221,28 @@ def test_merge_keeps_each_attend_launch_apart(tmp_path):
     assert by_launch == {"null": pytest.approx(2.0), '{"num_stages": 4}': pytest.approx(2.4)}
 
 
-def test_merge_keeps_each_refine_mode_apart(tmp_path):
-    """Two MOIRA engines that differ only in MOIRA_REFINE (run_gpu.sh tpot-refine): both
-    pair with the one dense row, and each speedup names its mode."""
+def test_merge_keeps_each_estimator_apart(tmp_path):
+    """Two MOIRA engines that differ only in MOIRA_ESTIMATOR (run_gpu.sh tpot-real's moira
+    and mvar arms): both pair with the one dense row, and each speedup names its estimator."""
     rows = [_row(arm="dense", selector=None, gamma=None, reads=None, tpot_ms=12.0),
-            _row(tpot_ms=6.0, refine="wide"), _row(tpot_ms=5.0, refine="off")]  # fmt: skip
+            _row(tpot_ms=6.0, estimator="mvar"),
+            _row(tpot_ms=5.0, estimator="mvar_top8")]  # fmt: skip
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"command": "c", "rows": rows}))
     rec = bt.merge([str(path)], str(tmp_path / "tpot.json"))
-    assert {s["refine"]: s["speedup"] for s in rec["speedups"]} == {
-        "wide": pytest.approx(2.0),
-        "off": pytest.approx(2.4),
+    assert {s["estimator"]: s["speedup"] for s in rec["speedups"]} == {
+        "mvar": pytest.approx(2.0),
+        "mvar_top8": pytest.approx(2.4),
     }
 
 
-def test_rows_name_the_engines_refine_mode_on_moira_arms_only():
-    ctx = {"model": "m", "refine": "wide"}
+def test_rows_name_the_engines_estimator_on_moira_arms_only():
+    ctx = {"model": "m", "estimator": "mvar"}
     moira_arm = {"arm": "moira", "selector": "fixed", "gamma": None, "fixed_fraction": 0.15}
     dense_arm = {"arm": "dense", "selector": None, "gamma": None, "fixed_fraction": None}
-    assert bt.base_row(ctx, 8192, 32, moira_arm)["refine"] == "wide"
-    assert "refine" not in bt.base_row(ctx, 8192, 32, dense_arm)
-    assert "refine" not in bt.base_row({"model": "m"}, 8192, 32, moira_arm)
+    assert bt.base_row(ctx, 8192, 32, moira_arm)["estimator"] == "mvar"
+    assert "estimator" not in bt.base_row(ctx, 8192, 32, dense_arm)
+    assert "estimator" not in bt.base_row({"model": "m"}, 8192, 32, moira_arm)
 
 
 def test_merge_compares_greedy_outputs(tmp_path):
@@ -305,12 +305,12 @@ def test_rows_of_the_default_engine_at_the_default_gamma_say_default():
            "fixed_fraction": None}  # fmt: skip
     row = bt.base_row(ctx, 8192, 32, arm)
     assert row["config"] == "default"
-    assert (row["estimator"], row["summary_dtype"], row["refine"]) == ("mvar_top8", "int8", "off")
+    assert (row["estimator"], row["summary_dtype"]) == ("mvar_top8", "int8")
     # Another γ, or an engine with any other field changed, is not the default.
     assert "config" not in bt.base_row(ctx, 8192, 32, dict(arm, gamma=0.99))
-    wide = {"model": "m", **bt.engine_fields(dict(default, refine="wide"))}
-    assert "config" not in bt.base_row(wide, 8192, 32, arm)
-    assert bt.base_row(wide, 8192, 32, arm)["refine"] == "wide"
+    mvar = {"model": "m", **bt.engine_fields(dict(default, estimator="mvar"))}
+    assert "config" not in bt.base_row(mvar, 8192, 32, arm)
+    assert bt.base_row(mvar, 8192, 32, arm)["estimator"] == "mvar"
 
 
 def test_plugin_mode_rows_say_so_and_run_moira_arms():

@@ -61,8 +61,7 @@ def test_pages_within_the_bisection_resolution_are_near_ties():
 
 def test_sweeps_name_only_known_settings():
     # Every key of every Attend candidate is an Attend launch setting or a MoiraConfig
-    # field; every Estimate and refine candidate is a valid override that changes the
-    # default (whose results are the sweep's reference).
+    # field; every Estimate candidate is a valid override.
     import dataclasses
 
     moira = mc.moira
@@ -71,8 +70,6 @@ def test_sweeps_name_only_known_settings():
     for changes in mc.ATTEND_SWEEP:
         for key in changes:
             assert key in mc.ATTEND_LAUNCH_KEYS or key in fields, key
-    for changes in mc.REFINE_SWEEP:
-        assert changes and moira.refine_launch(changes) != moira.refine_launch(), changes
     for changes in mc.ESTIMATE_SWEEP:
         moira.estimate_launch(8, True, changes)
     for lanes, warps in mc.SELECT_SWEEP:
@@ -81,16 +78,15 @@ def test_sweeps_name_only_known_settings():
 
 def test_with_launch_merges_kernel_by_kernel(monkeypatch):
     monkeypatch.setattr(mc, "LAUNCH", {"estimate": {"key_stages": 2}})
-    assert mc.with_launch(estimate={"num_warps": 4}, refine={"tile_pages": 32}) == {
-        "estimate": {"key_stages": 2, "num_warps": 4}, "refine": {"tile_pages": 32}}  # fmt: skip
+    assert mc.with_launch(estimate={"num_warps": 4}, select={"long_lanes": 4}) == {
+        "estimate": {"key_stages": 2, "num_warps": 4}, "select": {"long_lanes": 4}}  # fmt: skip
     assert mc.LAUNCH == {"estimate": {"key_stages": 2}}
 
 
-def test_refine_suffix_names_the_config_not_the_summaries():
-    assert mc.split_summary_dtype("int8:mvar_top8+wide") == ("mvar_top8", "int8")
-    assert mc.refine_of("int8:mvar_top8+wide") == "wide"
+def test_split_summary_dtype_names_the_estimator_and_its_storage():
+    assert mc.split_summary_dtype("int8:mvar_top8") == ("mvar_top8", "int8")
+    assert mc.split_summary_dtype("int4:mvar_top8") == ("mvar_top8", "int4")
     assert mc.split_summary_dtype("mvar_top8") == ("mvar_top8", "bfloat16")
-    assert mc.refine_of("mvar_top8") == "off"
 
 
 def test_same_lists_after_compares_counts_then_lists_up_to_the_longest():

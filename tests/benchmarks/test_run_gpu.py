@@ -27,6 +27,7 @@ def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     [
         (("--kv-cache-dtype", "fp16", "tpot"), "--kv-cache-dtype must be auto or fp8, not 'fp16'"),
         (("no-such-step",), "unknown step 'no-such-step'"),
+        (("--tpot-arms", "moira wide", "tpot"), "--tpot-arms takes moira, mvar, int4, int8"),
         (("--kv-cache-dtype",), "--kv-cache-dtype needs a value"),
     ],
 )
@@ -44,7 +45,7 @@ def test_help_names_the_kv_cache_option_and_the_steps():
     assert result.returncode == 0
     assert "--kv-cache-dtype D" in result.stdout and "_fp8" in result.stdout
     assert "estimate-sweep[:ESTIMATORS]" in result.stdout
-    assert "refine-sweep[:SHAPES]" in result.stdout
+    assert "attend-sweep[:SHAPES]" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -81,8 +82,7 @@ def test_real_model_steps_pass_the_check_when_the_files_exist(tmp_path):
     [
         "estimate-sweep",
         "estimate-sweep:int8:mvar,int4:mvar_top8",
-        "refine-sweep:4x131072",
-        "tpot-refine:130048x4,8192x32",
+        "attend-sweep:4x131072",
     ],
 )
 def test_estimate_sweep_is_a_known_step(tmp_path, step):
@@ -94,7 +94,7 @@ def test_estimate_sweep_is_a_known_step(tmp_path, step):
 
 def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
     # A stand-in `python` on the PATH (through the prefix's env.sh) logs each command with
-    # its MOIRA_REFINE and writes the --out record, so every merge finds its parts.
+    # its MOIRA_* mode and writes the --out record, so every merge finds its parts.
     bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
     bin_dir.mkdir()
     prefix.mkdir()
@@ -102,7 +102,7 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
     fake = bin_dir / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
-        f'echo "${{MOIRA_REFINE:-${{MOIRA_ESTIMATOR:-env}}}} $*" >> {calls}\n'
+        f'echo "${{MOIRA_SUMMARY_DTYPE:-${{MOIRA_ESTIMATOR:-env}}}} $*" >> {calls}\n'
         'out=""; prev=""\n'
         'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
         '[[ -n $out ]] && echo "{}" > "$out"\n'
@@ -114,7 +114,7 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
     result = _run(
         "--no-install", "--prefix", str(prefix),
         "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
-        "tpot:8192x4", "tpot-refine", "tpot-real:8192x4",
+        "--tpot-arms", "moira mvar int4", "tpot:8192x4", "tpot-real:8192x4",
         tmp_path=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -130,23 +130,16 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
         ("env", "FLASH_ATTN", "tpot_dense.json"),
         ("env", "MOIRA", "tpot_moira.json"),
         ("env", "merge", "tpot.json"),
-        ("env", "FLASH_ATTN", "tpot_refine_dense.json"),
-        ("wide", "MOIRA", "tpot_refine_wide.json"),
-        ("off", "MOIRA", "tpot_refine_off.json"),
-        ("env", "merge", "tpot_refine.json"),
         ("env", "FLASH_ATTN", "tpot_real_dense.json"),
         ("env", "MOIRA", "tpot_real_moira.json"),
-        ("wide", "MOIRA", "tpot_real_wide.json"),
         ("mvar", "MOIRA", "tpot_real_mvar.json"),
+        ("int4", "MOIRA", "tpot_real_int4.json"),
         ("env", "merge", "tpot_real.json"),
     ]
-    # tpot-refine: the speed rows' shapes, fixed-count arms only (no coverage arm).
-    for line in lines[3:6]:
-        assert "--shapes 130048x4,8192x32" in line and "--gen 32" in line
-    assert all(("--gammas=" in line) == (i in (4, 5)) for i, line in enumerate(lines[3:7], 3))
     # The real-text MOIRA engines run the coverage rule at the default γ only, on the
-    # given shapes and text.
-    for line in lines[8:11]:
+    # given shapes and text; the dense engine runs neither MOIRA-only argument.
+    for line in lines[4:7]:
         assert "--gammas 0.98 --no-fixed" in line and "--shapes 8192x4" in line
         assert f"--prompts {tmp_path / 'p.json.gz'}" in line
-    assert f"--merge {out}/tpot_refine_dense.json {out}/tpot_refine_wide.json" in lines[6]
+    assert "--gammas" not in lines[3]
+    assert f"--merge {out}/tpot_real_dense.json {out}/tpot_real_moira.json" in lines[7]

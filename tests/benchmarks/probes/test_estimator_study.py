@@ -265,9 +265,10 @@ def test_heat_maps_of_another_model_do_not_overwrite_smollm2s(tmp_path, monkeypa
     ]
 
 
-def test_gated_family_at_the_shipped_constants_is_the_reference_refine():
-    """``2v/<s1>/oracle/3/0.75`` in the study is what ``refine="wide"`` ships
-    (``ref.refine_row_logmass``): same refined pages, same log-masses."""
+def test_gated_family_refines_the_band_pages_whose_spread_is_wide():
+    """``2v/<s1>/oracle/3/0.75``: stage 2 for the pages of ``research.refine_band`` (3 nats
+    under the threshold, and above it) whose group-mean ``x^2 . sigma^2`` is at least
+    0.75 * 2 ln 56 (``research.wide_pages``), and for no other page."""
     torch = pytest.importorskip("torch")
     from vllm_moira.v1.attention.ops import moira_reference as ref
 
@@ -283,21 +284,13 @@ def test_gated_family_at_the_shipped_constants_is_the_reference_refine():
     exact = ref.exact_page_logmass(query, keys, seq, d**-0.5)
     est = ref.top_page_logmass(query, summ[idx], d**-0.5)
     est[..., 0], est[..., n - 1] = exact[..., 0], exact[..., n - 1]
-    # the study's 2v: refine_band (below 3, above inf) & v >= 0.75 * 2 ln 56
     x = query.view(h_kv, group, d) * d**-0.5
     v = torch.einsum("hgd,nhd->hgn", x * x, summ[idx, :, 1]).mean(dim=1)
-    wide = v >= 0.75 * 2.0 * math.log(56)
+    wide = research.wide_pages(query, summ[idx], d**-0.5, 8, 0.75)
+    assert torch.equal(wide, v >= 0.75 * 2.0 * math.log(56))
     study_est, study_mask = research.two_stage_logmass(est, exact, 0.98, 3.0, math.inf, wide)
-    # the reference, on a paged cache holding the same keys
-    kv = torch.zeros(n, h_kv, 64, 2 * d)
-    for p in range(n):
-        t = keys[:, p * 64 : min((p + 1) * 64, seq)]
-        kv[p, :, : t.shape[1], :d] = t
-    table = torch.arange(n, dtype=torch.int32)
-    summaries = torch.zeros(n, h_kv, 10, d)
-    summaries[: summ.shape[0]] = summ
-    ref_est, ref_mask = ref.refine_row_logmass(query, kv, summaries, table, seq, d**-0.5, est,
-                                               0.98, "mvar_top8")  # fmt: skip
-    assert bool(ref_mask.any()) and not bool(ref_mask.all())
-    assert torch.equal(ref_mask, study_mask)
-    torch.testing.assert_close(ref_est, study_est)
+    pibar = ref.group_mean_shares(est)
+    band = torch.stack([research.refine_band(pibar[h], 0.98, 3.0, math.inf) for h in range(h_kv)])
+    assert bool(study_mask.any()) and not bool(study_mask.all())
+    assert torch.equal(study_mask, band & wide) and not torch.equal(study_mask, wide)
+    torch.testing.assert_close(study_est, torch.where(study_mask.unsqueeze(1), exact, est))

@@ -173,25 +173,6 @@ def test_fp8_decode_step_launches_read_the_scales():
                    "kernel_moira_merge": None}  # fmt: skip
 
 
-@pytest.mark.slow
-def test_refine_kernels_compile_for_sm90_without_a_gpu(tmp_path):
-    """refine="wide": Select twice (statistics, then the lists) around
-    kernel_moira_refine, compiled for sm_90 without spills or GPU-wide fences."""
-    out = tmp_path / "resources.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, SCRIPT, "--rows", "2", "--context", "4096", "--refine", "wide",
-           "--json", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(out.read_text())
-    assert record["refine"] == "wide"
-    kernels = [row["kernel"] for row in record["rows"]]
-    assert kernels[:3] == list(kr.KERNEL_NAMES[:3])
-    assert kernels[3:5] == ["kernel_moira_refine", "kernel_moira_select"]
-    for row in record["rows"]:
-        assert row["spill_bytes"] == 0 and row["gpu_fences"] == 0, row
-
-
 def _kernel_row(tmp_path, kernel: str, *args: str) -> dict:
     """One kernel's row of the probe's record at 2x4096 (a subprocess, no interpreter)."""
     out = tmp_path / "resources.json"
@@ -216,24 +197,3 @@ def test_int4_key_pair_costs_no_more_instructions_than_two_int8_keys(tmp_path):
     (int4_pair,) = int4["sass_loop_instructions"]
     assert int4_pair <= 2 * int8_key, (int4_pair, int8_key)
     assert int4["spill_bytes"] == 0 and int4["registers"] <= 128, int4
-
-
-@pytest.mark.slow
-def test_pipelined_refine_copies_keys_asynchronously(tmp_path):
-    """The refine launch's pipeline_stages (3): the refine page loop's keys arrive by
-    asynchronous copies (LDGSTS), not by plain global loads (LDG) behind each page's
-    softmax."""
-
-    def refine_loop_memory(*args: str) -> dict:
-        row = _kernel_row(tmp_path, "kernel_moira_refine", "--refine", "wide", *args)
-        assert row["spill_bytes"] == 0, row
-        # Two loops: the program's tiles, and inside it the page loop, the shorter one.
-        tile_loop, page_loop = sorted(
-            zip(row["sass_loop_instructions"], row["sass_loop_memory_ops"]),
-            key=lambda loop: loop[0],
-            reverse=True,
-        )
-        return page_loop[1]
-
-    pipelined = refine_loop_memory("--refine-launch", '{"pipeline_stages": 3}')
-    assert any(op.startswith("LDGSTS") for op in pipelined)

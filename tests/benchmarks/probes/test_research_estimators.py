@@ -157,6 +157,17 @@ def test_refine_band_brackets_the_stage1_threshold():
     assert not research.refine_band(pibar[:2], 0.9, 1.0, 1.0).any()
 
 
+def test_wide_threshold_is_relative_to_rem_critical_variance():
+    summ = torch.zeros(3, 1, 10, 4)
+    summ[:, 0, 1] = torch.tensor([[1.0, 0, 0, 0], [2.0, 0, 0, 0], [3.0, 0, 0, 0]])
+    query = torch.tensor([[2.0, 0, 0, 0]])  # x^2 = 4: v = 4, 8, 12
+    wide = research.wide_pages(query, summ, 1.0, num_top=8, factor=0.75)
+    critical = 0.75 * 2 * math.log(56)  # 6.04
+    assert wide.tolist() == [[v >= critical for v in (4.0, 8.0, 12.0)]]
+    # A smaller factor lowers the bar: every page is wide at 0.25 (critical 2.01).
+    assert research.wide_pages(query, summ, 1.0, num_top=8, factor=0.25).tolist() == [[True] * 3]
+
+
 def test_two_stage_replaces_only_the_refined_pages():
     gen = torch.Generator().manual_seed(8)
     stage1 = torch.randn(2, 3, 10, generator=gen) * 2

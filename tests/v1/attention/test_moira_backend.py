@@ -210,10 +210,9 @@ def test_config_defaults():
     assert cfg.dense_steps == "fa3"
     # One set of defaults: the environment's are MoiraConfig's.
     assert cfg == moira_module().MoiraConfig()
-    # The paper's decode step is a preset: no dense rows, Moira on every step, no
-    # refinement.
+    # The paper's decode step is a preset: no dense rows, Moira on every step, no audit.
     paper = moira_module().MoiraConfig.paper(gamma=0.9)
-    assert (paper.dense_batch_tokens, paper.dense_steps, paper.refine) == (0, "moira", "off")
+    assert (paper.dense_batch_tokens, paper.dense_steps, paper.audit_every) == (0, "moira", 0)
     assert paper.gamma == 0.9 and paper.estimator == cfg.estimator
 
 
@@ -225,7 +224,7 @@ def test_config_from_env_values():
             "MOIRA_FIXED_PAGES": "16",
             "MOIRA_ESTIMATOR": "MVAR",
             "MOIRA_SUMMARY_DTYPE": "bfloat16",
-            "MOIRA_REFINE": "Wide",
+            "MOIRA_AUDIT_EVERY": "32",
             # Benchmark-only: every row through the selector.
             "MOIRA_DENSE_BATCH_TOKENS": "0",
             # The project's tooling: not options, left alone.
@@ -234,7 +233,7 @@ def test_config_from_env_values():
         }
     )
     assert (cfg.gamma, cfg.selector, cfg.fixed_pages) == (1.0, "fixed", 16)
-    assert (cfg.estimator, cfg.summary_dtype, cfg.refine) == ("mvar", "bfloat16", "wide")
+    assert (cfg.estimator, cfg.summary_dtype, cfg.audit_every) == ("mvar", "bfloat16", 32)
     assert (cfg.dense_batch_tokens, cfg.dense_steps, cfg.attend_fill_blocks) == (0, "fa3", 0)
 
 
@@ -242,19 +241,24 @@ def test_config_from_env_values():
     "name",
     ["MOIRA_DENSE_STEPS", "MOIRA_ATTEND_FILL_BLOCKS", "MOIRA_ATTEND_SCHEDULE",
      "MOIRA_MIN_CHUNK_PAGES", "MOIRA_MIN_SPLITS_PER_ROW", "MOIRA_MIN_SPLITS_TOTAL",
-     "MOIRA_GAMA", "MOIRA_WHATEVER"],
+     "MOIRA_REFINE", "MOIRA_GAMA", "MOIRA_WHATEVER"],
 )  # fmt: skip
 def test_config_refuses_removed_and_unknown_variables_naming_the_supported(name):
-    # Options that became internal (dense steps, Attend's blocks and chunks), typos and
-    # names Moira never had: an error at start-up that names the supported options, so
-    # no setting runs silently with the defaults.
-    with pytest.raises(ValueError) as excinfo:
-        moira_module().moira_config_from_env({name: "1"})
-    message = str(excinfo.value)
-    assert f"unknown environment variable(s) ['{name}']" in message
-    for option in ("MOIRA_GAMMA", "MOIRA_SELECTOR", "MOIRA_FIXED_PAGES", "MOIRA_FIXED_FRACTION",
-                   "MOIRA_ESTIMATOR", "MOIRA_SUMMARY_DTYPE", "MOIRA_REFINE"):  # fmt: skip
-        assert option in message
+    # Options that became internal (dense steps, Attend's blocks and chunks), removed ones
+    # (MOIRA_REFINE: the wide refinement), typos and names Moira never had: an error at
+    # start-up that names the supported options, so no setting runs silently with the
+    # defaults.
+    for value in ("1", "wide"):
+        with pytest.raises(ValueError) as excinfo:
+            moira_module().moira_config_from_env({name: value})
+        message = str(excinfo.value)
+        assert f"unknown environment variable(s) ['{name}']" in message
+        supported = message.split("; supported: ")[1]
+        for option in ("MOIRA_GAMMA", "MOIRA_SELECTOR", "MOIRA_FIXED_PAGES",
+                       "MOIRA_FIXED_FRACTION", "MOIRA_ESTIMATOR", "MOIRA_SUMMARY_DTYPE",
+                       "MOIRA_AUDIT_EVERY"):  # fmt: skip
+            assert option in supported
+        assert name not in supported
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,12 @@ MATRIX = [
      r"unknown environment variable\(s\) \['MOIRA_ATTEND_SCHEDULE'\]; supported: \[", True),
     ("dense-steps-internal", "llama", {}, {"MOIRA_DENSE_STEPS": "moira"}, {},
      r"unknown environment variable\(s\) \['MOIRA_DENSE_STEPS'\]; supported: \[.*"
-     r"'MOIRA_REFINE'", True),
+     r"'MOIRA_SUMMARY_DTYPE'", True),
+    # The wide refinement was removed: its variable is refused with the options there are.
+    ("refine-removed", "llama", {}, {"MOIRA_REFINE": "wide"}, {},
+     r"unknown environment variable\(s\) \['MOIRA_REFINE'\]; supported: \['MOIRA_AUDIT_EVERY', "
+     r"'MOIRA_ESTIMATOR', 'MOIRA_FIXED_FRACTION', 'MOIRA_FIXED_PAGES', 'MOIRA_GAMMA', "
+     r"'MOIRA_SELECTOR', 'MOIRA_SUMMARY_DTYPE'\]", True),
     ("estimator-name", "llama", {}, {"MOIRA_ESTIMATOR": "box"}, {},
      r"MOIRA_ESTIMATOR must be one of \('mvar', 'mvar_top8'\) \(default 'mvar_top8'\), "
      r"got 'box'", True),

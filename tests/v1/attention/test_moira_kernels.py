@@ -500,7 +500,6 @@ def test_launches_are_functions_of_the_shapes_with_overrides():
     assert moira.select_launch(4096, 1) == moira.SelectLaunch(lanes=8, num_warps=16)
     assert moira.select_launch(4096, 2) == moira.SelectLaunch(lanes=1, num_warps=16)
     assert moira.select_launch(256, 1) == moira.SelectLaunch(lanes=8, num_warps=4)
-    assert moira.refine_launch() == moira.RefineLaunch(16, 3, 4, 4096)
 
 
 @pytest.mark.parametrize(
@@ -510,8 +509,8 @@ def test_launches_are_functions_of_the_shapes_with_overrides():
                                         r"\['maxnreg', 'num_stages', 'num_warps'\]"),
         ({"estimate": {"tile_pages": 48}}, r"estimate launch tile_pages must be a power of two"),
         ({"select": {"long_lanes": 3}}, r"select launch long_lanes must be a power of two"),
-        ({"refine": {"pipeline_stages": 0}}, r"refine launch pipeline_stages must be an "
-                                             r"integer in 1\.\.6, got 0"),
+        ({"refine": {"pipeline_stages": 3}}, r"launch overrides for \['refine'\]; kernels: "
+                                             r"\('writer', 'estimate', 'select', 'attend'"),
         ({"merge": {}}, r"launch overrides for \['merge'\]; kernels: \('writer', 'estimate'"),
         ({"step": {"early_trigger": True}}, r"step launch overrides \['early_trigger'\]"),
     ],

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """int4 stored keys (``MOIRA_SUMMARY_DTYPE=int4``, the ``mvar_top8`` estimator) against
 the float32 reference (CPU interpreter): the packed layout, the writer, Estimate on the
-stored values, storage and configuration (the whole sparse step, with and without the
-refinement, and γ = 1: test_moira_summary_int8.py). docs/estimator.md "Summary layout"."""
+stored values, storage and configuration (the whole sparse step and γ = 1:
+test_moira_summary_int8.py). docs/estimator.md "Summary layout"."""
 
 from __future__ import annotations
 

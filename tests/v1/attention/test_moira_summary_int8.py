@@ -185,21 +185,19 @@ def check_estimate_int8(seq_lens, estimator, layout, group, head_size, pattern,
 
 
 @pytest.mark.parametrize(
-    ("estimator", "summary_dtype", "refine", "query_scale"),
+    ("estimator", "summary_dtype", "query_scale"),
     [
-        ("mvar", "int8", "off", 1.0),
-        ("mvar_top8", "int8", "off", 1.0),
-        # int4 stored keys (test_moira_summary_int4.py), with and without the refinement
-        # (queries x3: wide pages for it to refine)
-        ("mvar_top8", "int4", "off", 3.0),
-        ("mvar_top8", "int4", "wide", 3.0),
+        ("mvar", "int8", 1.0),
+        ("mvar_top8", "int8", 1.0),
+        # int4 stored keys (test_moira_summary_int4.py); queries x3: wider logit spreads
+        ("mvar_top8", "int4", 3.0),
     ],
 )
-def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, refine, query_scale):
+def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, query_scale):
     """Lists equal the reference's on the stored (dequantized) summaries; the output
     matches the reference's attention over those lists."""
     config = moira.MoiraConfig.paper(gamma=0.9, estimator=estimator, summary_dtype=summary_dtype,
-                                     refine=refine, **SMALL_FILL)  # fmt: skip
+                                     **SMALL_FILL)  # fmt: skip
     seq_lens = [1, 64, 7 * PAGE, 64 * 12 + 5, 64 * 30 + 33]
     kv, summaries, table, seq, query = make_decode_batch(
         seq_lens, 2, 4, 128, "head_major", estimator, "concentrated", seed=2,
@@ -211,7 +209,7 @@ def test_sparse_decode_int8_matches_reference(estimator, summary_dtype, refine, 
     moira.moira_decode(query, kv, summaries, table, seq, out, ws, scale)
     stored = ref.read_summaries(summaries)
     expected, lists = ref.sparse_decode(query, kv, stored, table, seq_lens, scale, gamma=0.9,
-                                        estimator=estimator, refine=refine)  # fmt: skip
+                                        estimator=estimator)  # fmt: skip
     for row in range(len(seq_lens)):
         for h in range(2):
             n = int(ws.list_lengths[row, h])

@@ -26,7 +26,6 @@ metadata slice in moira_utils.py.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import weakref
 from collections.abc import Mapping
@@ -77,7 +76,6 @@ from .moira_config import (  # noqa: F401
     LAUNCH_KERNELS,
     MOIRA_DEFAULT_AUDIT_EVERY,
     MOIRA_DEFAULT_ESTIMATOR,
-    MOIRA_DEFAULT_REFINE,
     MOIRA_DEFAULT_SUMMARY_DTYPE,
     MOIRA_DENSE_STEPS,
     MOIRA_ESTIMATOR_NUM_TOP,
@@ -86,14 +84,12 @@ from .moira_config import (  # noqa: F401
     MOIRA_KV_CACHE_DTYPES,
     MOIRA_MAX_GROUP_SIZE,
     MOIRA_PAPER_SETTINGS,
-    MOIRA_REFINE_MODES,
     MOIRA_SELECTORS,
     MOIRA_SUPPORTED_HEAD_SIZES,
     AttendLaunch,
     AuditLaunch,
     EstimateLaunch,
     MoiraConfig,
-    RefineLaunch,
     SelectLaunch,
     WriterLaunch,
     _overridden,
@@ -105,7 +101,6 @@ from .moira_config import (  # noqa: F401
     estimate_launch,
     estimator_num_top,
     moira_config_from_env,
-    refine_launch,
     resolve_attend_fill_blocks,
     select_launch,
     summary_slots,
@@ -129,10 +124,6 @@ logger = init_logger(__name__)
 # ==========================================================================
 # Constants
 # ==========================================================================
-
-#: Mirrors of moira_reference.REFINE_BELOW_NATS / REFINE_WIDE_FACTOR (the tests check).
-REFINE_BELOW_NATS = 3.0
-REFINE_WIDE_FACTOR = 0.75
 
 # Select's tile for rows of fewer pages (K_B = 8 in Alg. 1); the largest is
 # _SELECT_MAX_TILE_PAGES (moira_config).
@@ -988,8 +979,8 @@ def kernel_moira_estimate(
 
 
 def _estimate_strides(query, kv_cache, summaries, scales, block_table, logmass) -> tuple:
-    """The stride arguments that kernel_moira_estimate and kernel_moira_refine share, in
-    their order (query, KV cache, summaries, scales, block table, log-masses)."""
+    """kernel_moira_estimate's stride arguments, in its order (query, KV cache,
+    summaries, scales, block table, log-masses)."""
     return (
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -1116,14 +1107,8 @@ def _select_row(
     num_pages, stride_lm_group, GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,
     TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr, LANES: tl.constexpr,
     LANE_PASSES: tl.constexpr, HAS_KEPT_TOTAL: tl.constexpr,
-    stats=None,  # this row's Select statistics (if STORE_STATS): [1 + 2 * GROUP_ROWS] fp32
-    STORE_STATS: tl.constexpr = False,
 ):  # fmt: skip
     # Alg. 1 for one (row, KV head) whose pages fit NUM_TILES * TILE_PAGES.
-    # STORE_STATS (the first Select of refine="wide"): no list; instead the
-    # threshold (the smallest kept middle share, inf when nothing is to be
-    # refined) and each query head's softmax peak and 1 / (G denominator), so
-    # kernel_moira_refine can recompute any page's pibar bit for bit.
     # LANES > 1 (one tile, K_B = LANES, LANE_PASSES = 24 / log2 K_B): the
     # K_B - 1 thresholds of a pass are summed in one 2D reduction; LANES == 1:
     # one reduction per threshold, K_B = 8 / 4 / 2 by the row's length.
@@ -1254,23 +1239,10 @@ def _select_row(
         # Band pages to skip (the oldest ones) so that exactly K - 2 are kept.
         n_skip = (n_band - (target - n_above)).to(tl.int32)
 
-    if STORE_STATS:
-        tau = float("inf")
-        for t in tl.static_range(NUM_TILES):
-            pages, middle, pib = _pibar_tile(
-                pib_ptr, tile_pibar, t, num_pages, TILE_PAGES, NUM_TILES
-            )
-            tau = tl.minimum(tau, tl.min(tl.where(middle & (pib >= lo), pib, float("inf")), axis=0))
-        # Fixed count and gamma >= 1 refine nothing (the reference's rule).
-        tau = tl.where(by_count | keep_all, float("inf"), tau)
-        tl.store(stats, tau)
-        tl.store(stats + 1 + offs_g, safe_peak)
-        tl.store(stats + 1 + GROUP_ROWS + offs_g, inv_denom)
-    else:
-        _compact_list(
-            pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, kept_total_ptr, lo, hi,
-            exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_KEPT_TOTAL,
-        )  # fmt: skip
+    _compact_list(
+        pib_ptr, tile_pibar, out, count_ptr, read_stats_ptr, kept_total_ptr, lo, hi,
+        exact_count, n_skip, num_pages, TILE_PAGES, NUM_TILES, HAS_KEPT_TOTAL,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -1316,19 +1288,15 @@ def kernel_moira_select(
     selector_ptr,  # [4] fp32: gamma, fixed K (0 = off), fixed fraction (0 = off),
     # dense batch pages (0 = off)
     row_gamma_ptr,  # [num_rows] fp32 per-request gamma, <= 0: selector's (if HAS_ROW_GAMMA)
-    select_stats_ptr,  # [max_rows, num_kv_heads, 1 + 2 * GROUP_ROWS] fp32 (out, if STORE_STATS)
     stride_lm_row: tl.int64, stride_lm_head: tl.int64, stride_lm_group: tl.int64,  # logmass
     stride_pib_row: tl.int64, stride_pib_head: tl.int64,  # pibar
     stride_pl_row: tl.int64, stride_pl_head: tl.int64, stride_ll_row: tl.int64,  # the lists
-    stride_st_row: tl.int64, stride_st_head: tl.int64,  # select_stats
     GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr,
     TILE_PAGES: tl.constexpr, NUM_TILES: tl.constexpr, SHORT_TILE_PAGES: tl.constexpr,
     LONG_LANES: tl.constexpr, LONG_LANE_PASSES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_ROW_GAMMA: tl.constexpr, HAS_KEPT_TOTAL: tl.constexpr = False,
-    STORE_STATS: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
-    # STORE_STATS: the first of refine="wide"'s two Selects (_select_row):
-    # statistics instead of the list, nothing counted.
     # One program per (row, KV head). Writes the row's page list (logical
     # page indices in page order, sink first, current page last) and its
     # length, the only things Attend reads. The selector's parameters are
@@ -1354,16 +1322,6 @@ def kernel_moira_select(
     dense_row = _is_dense_row(num_pages, selector_ptr)
     _wait_for_previous_kernel(USE_GDC)
     count_ptr = list_lengths_ptr + row * stride_ll_row + head
-    stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
-    if STORE_STATS:
-        # Empty and dense rows, fixed-count and gamma >= 1 rows: nothing to refine
-        # (their lists: the second Select). _select_row would store the same inf
-        # after both passes; returning here saves them (kernel_moira_refine reads
-        # nothing else of a list whose threshold is inf).
-        by_count = (tl.load(selector_ptr + 1) > 0.0) | (tl.load(selector_ptr + 2) > 0.0)
-        if (num_pages == 0) | dense_row | by_count | (gamma >= 1.0):
-            tl.store(stats, float("inf"))
-            return
     if num_pages == 0:
         tl.store(count_ptr, 0)
         return
@@ -1383,19 +1341,19 @@ def kernel_moira_select(
             _select_row(
                 lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, SHORT_TILE_PAGES, 1, 8, 8,
-                HAS_KEPT_TOTAL, stats, STORE_STATS,
+                HAS_KEPT_TOTAL,
             )  # fmt: skip
         else:
             _select_row(
                 lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
                 num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, NUM_TILES,
-                LONG_LANES, LONG_LANE_PASSES, HAS_KEPT_TOTAL, stats, STORE_STATS,
+                LONG_LANES, LONG_LANE_PASSES, HAS_KEPT_TOTAL,
             )  # fmt: skip
     else:  # every row fits the short tile
         _select_row(
             lm, pib_ptr, out, count_ptr, read_stats_ptr, kept_total_ptr, selector_ptr, gamma,
             num_pages, stride_lm_group, GROUP_SIZE, GROUP_ROWS, TILE_PAGES, 1, 8, 8,
-            HAS_KEPT_TOTAL, stats, STORE_STATS,
+            HAS_KEPT_TOTAL,
         )  # fmt: skip
 
 
@@ -1403,15 +1361,10 @@ def select_pages(
     logmass: torch.Tensor, seq_lens: torch.Tensor, pibar: torch.Tensor, page_list: torch.Tensor,
     list_lengths: torch.Tensor, selector_params: torch.Tensor, num_rows: int, max_pages: int,
     read_stats: torch.Tensor, row_gamma: torch.Tensor | None = None,
-    kept_total: torch.Tensor | None = None, select_stats: torch.Tensor | None = None,
+    kept_total: torch.Tensor | None = None,
     launch: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:  # fmt: skip
     """Coverage (or fixed-count) selection for rows ``[:num_rows]``.
-
-    ``select_stats`` (fp32 ``[max_rows, H_kv, 1 + 2 * GROUP_ROWS]``,
-    ``MoiraWorkspace.select_stats``): the first Select of ``refine="wide"``;
-    writes each list's threshold and softmax statistics for ``refine_page_logmass``
-    instead of the lists, and counts nothing.
 
     ``selector_params`` is the fp32 ``[4]`` device tensor of
     ``MoiraWorkspace`` (gamma, K, fraction, dense batch pages). ``row_gamma`` (fp32, at least
@@ -1434,199 +1387,16 @@ def select_pages(
         list_lengths if kept_total is None else kept_total, selector_params,
         # Unread when HAS_ROW_GAMMA is False; any fp32 pointer will do.
         selector_params if row_gamma is None else row_gamma,
-        # Unwritten when STORE_STATS is False.
-        pibar if select_stats is None else select_stats,
         logmass.stride(0), logmass.stride(1), logmass.stride(2), pibar.stride(0), pibar.stride(1),
         page_list.stride(0), page_list.stride(1), list_lengths.stride(0),
-        0 if select_stats is None else select_stats.stride(0),
-        0 if select_stats is None else select_stats.stride(1),
         GROUP_SIZE=group_size, GROUP_ROWS=triton.next_power_of_2(group_size),
         TILE_PAGES=tile_pages, NUM_TILES=num_tiles, SHORT_TILE_PAGES=_SELECT_SHORT_TILE_PAGES,
         LONG_LANES=select.lanes,
         # 24 / log2(K_B) passes shrink the search interval 2^24-fold.
         LONG_LANE_PASSES=24 // max(select.lanes.bit_length() - 1, 1), PAGE_SIZE=MOIRA_PAGE_SIZE,
         HAS_ROW_GAMMA=row_gamma is not None,
-        HAS_KEPT_TOTAL=kept_total is not None and select_stats is None,
-        STORE_STATS=select_stats is not None, num_warps=select.num_warps,
+        HAS_KEPT_TOTAL=kept_total is not None, num_warps=select.num_warps,
         **_dependent_launch(launch),
-    )  # fmt: skip
-
-
-# ==========================================================================
-# Refine (not in the paper): Estimate's second stage, refine="wide"
-# ==========================================================================
-def refine_programs_per_list(
-    num_rows: int, num_kv_heads: int, max_pages: int, launch: RefineLaunch
-) -> int:
-    """Refine programs per (row, KV head) list: enough that the step launches about
-    ``launch.step_programs`` programs, at most one per tile of max_pages."""
-    lists = max(num_rows * num_kv_heads, 1)
-    tiles = triton.cdiv(max_pages, launch.tile_pages)
-    return max(1, min(tiles, triton.cdiv(launch.step_programs, lists)))
-
-
-def _select_stats_width(group_size: int) -> int:
-    """Floats per list in select_stats: the threshold, then Select's GROUP_ROWS softmax
-    peaks and GROUP_ROWS inverse denominators."""
-    return 1 + 2 * triton.next_power_of_2(group_size)
-
-
-@triton.jit(do_not_specialize=["below_factor", "wide_min_v"])
-def kernel_moira_refine(
-    # kernel_moira_estimate's query, cache, summaries, block table and lengths;
-    # its log-masses (in and out); the first Select's statistics per list,
-    # [max_rows, num_kv_heads, 1 + 2 * STATS_ROWS] fp32.
-    query_ptr, kv_cache_ptr, summaries_ptr, scales_ptr, block_table_ptr, seq_lens_ptr,
-    logmass_ptr, select_stats_ptr, k_scale_ptr, scale,
-    below_factor,  # e^-REFINE_BELOW_NATS
-    wide_min_v,  # REFINE_WIDE_FACTOR * 2 ln(PAGE_SIZE - NUM_TOP)
-    # _estimate_strides, then select_stats'
-    stride_q_row: tl.int64, stride_q_head: tl.int64, stride_kv_block: tl.int64,
-    stride_kv_head: tl.int64, stride_kv_token: tl.int64, stride_sum_block: tl.int64,
-    stride_sum_head: tl.int64, stride_scale_block: tl.int64, stride_scale_head: tl.int64,
-    stride_bt_row: tl.int64, stride_lm_row: tl.int64, stride_lm_head: tl.int64,
-    stride_lm_group: tl.int64, stride_st_row: tl.int64, stride_st_head: tl.int64,
-    GROUP_SIZE: tl.constexpr, GROUP_ROWS: tl.constexpr, STATS_ROWS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
-    NUM_TOP: tl.constexpr, INT8: tl.constexpr, KV_FP8: tl.constexpr,
-    PIPELINE_STAGES: tl.constexpr, USE_GDC: tl.constexpr = False,
-):  # fmt: skip
-    # Programs (row, KV head, p): program p of a list takes its tiles of
-    # TILE_PAGES pages p, p + P, p + 2P, ... (P = the grid's third extent,
-    # refine_programs_per_list). A middle page is refined when (1) its pibar,
-    # recomputed from the stage-1 log-masses and the first Select's softmax
-    # statistics, is at least tau e^-below (tau: the smallest share that
-    # Select kept), and (2) its group-mean spread x^2 . sigma^2 (the
-    # summary's variance slot) is at least wide_min_v: the pages whose spread
-    # term can over-estimate them past a needle page. Its
-    # log-mass is then replaced by the exact one, from its 64 keys; the second
-    # Select runs on the result. Each page belongs to one program, which alone
-    # reads and writes its log-mass.
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    first_tile = tl.program_id(2)
-    tile_step = tl.num_programs(2)
-    seq_len = tl.load(seq_lens_ptr + row)
-    _wait_for_previous_kernel(USE_GDC)
-    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    num_tiles = tl.cdiv(num_pages, TILE_PAGES)
-    if first_tile >= num_tiles:
-        return
-    stats = select_stats_ptr + row * stride_st_row + head * stride_st_head
-    tau = tl.load(stats)
-    if tau == float("inf"):  # dense, empty, fixed-count or gamma >= 1 rows
-        return
-    offs_s = tl.arange(0, STATS_ROWS)
-    peak = tl.load(stats + 1 + offs_s)
-    inv_denom = tl.load(stats + 1 + STATS_ROWS + offs_s)
-    lm = logmass_ptr + row * stride_lm_row + head * stride_lm_head
-    bt_row = block_table_ptr + row * stride_bt_row
-    offs_t = tl.arange(0, TILE_PAGES)
-    offs_d = tl.arange(0, HEAD_SIZE)
-    offs_g = tl.arange(0, GROUP_ROWS)
-    mask_g = offs_g < GROUP_SIZE
-    q_heads = query_ptr + row * stride_q_row + (head * GROUP_SIZE + offs_g[:, None]) * stride_q_head
-    q = tl.load(q_heads + offs_d[None, :], mask=mask_g[:, None], other=0.0)
-    xq = q.to(tl.float32) * scale
-    k_scale = 1.0
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr)
-    for tile in range(first_tile, num_tiles, tile_step):
-        pages = tile * TILE_PAGES + offs_t
-        middle = (pages > 0) & (pages < num_pages - 1)
-        x = tl.load(
-            lm + offs_s[:, None] * stride_lm_group + pages[None, :],
-            mask=(offs_s < GROUP_SIZE)[:, None] & middle[None, :],
-            other=float("-inf"),
-        )
-        # The same expression as _select_row's pass 2: the same pibar.
-        pib = tl.sum(tl.exp(x - peak[:, None]) * inv_denom[:, None], axis=0)
-        candidate = middle & (pib >= tau * below_factor)
-        if tl.sum(candidate.to(tl.int32), axis=0) > 0:
-            blocks = tl.load(bt_row + pages, mask=candidate, other=0).to(tl.int64)
-            var = tl.load(
-                summaries_ptr
-                + blocks[:, None] * stride_sum_block
-                + head * stride_sum_head
-                + HEAD_SIZE
-                + offs_d[None, :],
-                mask=candidate[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            if INT8:
-                var_scale = tl.load(
-                    scales_ptr + blocks * stride_scale_block + head * stride_scale_head + 1,
-                    mask=candidate,
-                    other=0.0,
-                )
-                var = var * var_scale[:, None]
-            # fp32 products (ieee: no tf32 rounding), as the reference's v.
-            v = tl.dot(var, tl.trans(xq * xq), input_precision="ieee")  # [TILE_PAGES, GROUP_ROWS]
-            v_mean = tl.sum(tl.where(mask_g[None, :], v, 0.0), axis=1) / GROUP_SIZE
-            refine = candidate & (v_mean >= wide_min_v)
-            # The refined pages in page order (their rank among the tile's
-            # refined pages), then one loop iteration per refined page, no branch.
-            rank = tl.cumsum(refine.to(tl.int32), axis=0) - 1
-            num_refined = tl.sum(refine.to(tl.int32), axis=0)
-            for j in tl.range(0, num_refined, num_stages=PIPELINE_STAGES):
-                i = tl.sum(tl.where(refine & (rank == j), offs_t, 0), axis=0)
-                _refine_page(
-                    tile * TILE_PAGES + i, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale,
-                    offs_g, mask_g, stride_kv_block, stride_kv_head, stride_kv_token,
-                    stride_lm_group, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-                )  # fmt: skip
-
-
-@triton.jit
-def _refine_page(
-    page, q, scale, kv_cache_ptr, bt_row, lm, head, k_scale, offs_g, mask_g, stride_kv_block,
-    stride_kv_head, stride_kv_token, stride_lm_group, HEAD_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    # One refined (full, middle) page: its exact log-mass over its 64 keys
-    # replaces the estimate, for every query head of the KV head.
-    block = tl.load(bt_row + page).to(tl.int64)
-    exact = _exact_page_logmass(
-        q, scale, kv_cache_ptr, block, head, PAGE_SIZE,
-        stride_kv_block, stride_kv_head, stride_kv_token, k_scale, HEAD_SIZE, PAGE_SIZE, KV_FP8,
-    )  # fmt: skip
-    tl.store(lm + offs_g * stride_lm_group + page, exact, mask=mask_g)
-
-
-def refine_page_logmass(
-    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
-    block_table: torch.Tensor, seq_lens: torch.Tensor, logmass: torch.Tensor,
-    select_stats: torch.Tensor, scale: float, estimator: str,
-    k_scale: torch.Tensor | None = None,
-    launch: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:  # fmt: skip
-    """refine="wide": overwrite ``logmass`` of the pages kernel_moira_refine picks
-    with their exact log-mass. ``select_stats`` is the first Select's
-    (``select_pages(..., select_stats=...)``) on the same log-masses. ``launch``:
-    launch overrides by kernel (``check_launch_overrides``)."""
-    kv_fp8, k_scale_arg = _kv_scale_args(kv_cache, k_scale=k_scale)
-    num_top = estimator_num_top(estimator)
-    num_rows, num_q_heads, head_size = query.shape
-    _, scales = _summary_layout(summaries)
-    kernel_summaries, int8, _ = _summary_kernel_args(summaries)  # reads the variance slot only
-    num_kv_heads = kv_cache.shape[1]
-    group_size = num_q_heads // num_kv_heads
-    stats_rows = triton.next_power_of_2(group_size)  # Select's GROUP_ROWS
-    assert select_stats.shape[-1] == _select_stats_width(group_size)
-    max_pages = min(block_table.shape[1], logmass.shape[-1])
-    refine = refine_launch((launch or {}).get("refine"))
-    programs = refine_programs_per_list(num_rows, num_kv_heads, max_pages, refine)
-    grid = (num_rows, num_kv_heads, programs)
-    kernel_moira_refine[grid](
-        query, kv_cache, kernel_summaries, scales, block_table, seq_lens, logmass, select_stats,
-        k_scale_arg, scale, math.exp(-REFINE_BELOW_NATS),
-        REFINE_WIDE_FACTOR * 2.0 * math.log(MOIRA_PAGE_SIZE - num_top),
-        *_estimate_strides(query, kv_cache, summaries, scales, block_table, logmass),
-        select_stats.stride(0), select_stats.stride(1),
-        GROUP_SIZE=group_size, GROUP_ROWS=_group_rows(group_size), STATS_ROWS=stats_rows,
-        HEAD_SIZE=head_size, PAGE_SIZE=MOIRA_PAGE_SIZE, TILE_PAGES=refine.tile_pages,
-        NUM_TOP=num_top, INT8=int8, KV_FP8=kv_fp8, PIPELINE_STAGES=refine.pipeline_stages,
-        num_warps=refine.num_warps, **_dependent_launch(launch),
     )  # fmt: skip
 
 
@@ -2052,15 +1822,6 @@ class MoiraWorkspace:
         #: every step (set_row_gamma), outside the captured graph, and Select
         #: reads it on the device, so FULL graphs replay with each step's values.
         self.row_gamma = torch.zeros(max_num_seqs, dtype=f32, device=device)
-        #: refine="wide" under the coverage rule (MoiraConfig.refines): the first
-        #: Select's threshold and softmax statistics per list (select_pages'
-        #: select_stats), read by kernel_moira_refine. None: neither launches.
-        self.select_stats: torch.Tensor | None = None
-        if config.refines:
-            self.select_stats = torch.empty(
-                max_num_seqs, num_kv_heads, _select_stats_width(group_size), dtype=f32,
-                device=device,
-            )  # fmt: skip
         _LIVE_WORKSPACES.add(self)
 
     def set_selector(self, config: MoiraConfig) -> None:
@@ -2075,19 +1836,9 @@ class MoiraWorkspace:
             "attend_fill_blocks",
             "estimator",
             "summary_dtype",
-            "refine",
         )
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed_fields):
             raise ValueError(f"Moira: set_selector cannot change {fixed_fields}")
-        # A workspace built for a fixed count captured no refine launches; the
-        # coverage rule without them would select on the unrefined estimate. The
-        # other way round (coverage -> fixed) the launches stay and refine nothing.
-        if config.refines and self.select_stats is None:
-            raise ValueError(
-                "Moira: set_selector cannot switch to selector='coverage' with "
-                "refine='wide' on a workspace built with selector='fixed' (no refine "
-                "launches were captured); build it with the coverage selector"
-            )
         switch_audit(self.audit, config)  # refuses before anything changes
         self.selector_params.copy_(torch.tensor(config.selector_values(), dtype=torch.float32))
         self.config = config
@@ -2129,9 +1880,8 @@ class MoiraWorkspace:
             self.selector_params,
             self.row_gamma,
         )
-        extra = () if self.select_stats is None else (self.select_stats,)
         audit = 0 if self.audit is None else self.audit.nbytes()
-        return audit + sum(t.numel() * t.element_size() for t in (*tensors, *extra))
+        return audit + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def moira_workspace_bytes(
@@ -2187,20 +1937,9 @@ def estimate_and_select(
         ws.selector_params, kept_total=ws.kept_total, write_filled_pages=write_filled_pages,
         k_scale=k_scale, launch=ws.launch,
     )  # fmt: skip
-
-    def select(**outputs: torch.Tensor | None) -> None:
-        select_pages(ws.logmass, seq_lens, ws.pibar, ws.page_list, ws.list_lengths,
-                     ws.selector_params, num_rows, max_pages, ws.read_stats,
-                     row_gamma=ws.row_gamma, launch=ws.launch, **outputs)  # fmt: skip
-
-    if ws.select_stats is not None:
-        # refine="wide": Select once for the threshold, refine, then the real Select.
-        select(select_stats=ws.select_stats)
-        refine_page_logmass(
-            query, kv_cache, summaries, block_table, seq_lens, ws.logmass, ws.select_stats,
-            scale, ws.config.estimator, k_scale, ws.launch,
-        )  # fmt: skip
-    select(kept_total=ws.kept_total)
+    select_pages(ws.logmass, seq_lens, ws.pibar, ws.page_list, ws.list_lengths,
+                 ws.selector_params, num_rows, max_pages, ws.read_stats, row_gamma=ws.row_gamma,
+                 kept_total=ws.kept_total, launch=ws.launch)  # fmt: skip
 
 
 def moira_decode(

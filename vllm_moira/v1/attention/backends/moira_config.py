@@ -51,15 +51,6 @@ MOIRA_SELECTORS = ("coverage", "fixed")
 #: Estimate and Select skipping the rows. "fa3": vLLM's FA3 decode in FULL
 #: CUDA graphs of its own (vLLM patch 0006), plus the summary writer.
 MOIRA_DENSE_STEPS = ("moira", "fa3")
-#: Estimate's optional second stage: "off", or "wide": the exact log-mass of
-#: each page whose estimated share is at most REFINE_BELOW_NATS under Select's
-#: threshold (or above it) and whose spread term is large (REFINE_WIDE_FACTOR),
-#: then Select again (coverage rule only).
-MOIRA_REFINE_MODES = ("off", "wide")
-#: "wide" (the accuracy mode) reads the exact keys of the pages near the threshold and
-#: keeps needle pages the first stage under-states; it is off by default because those
-#: reads cost more decode time on real text than the pages it saves.
-MOIRA_DEFAULT_REFINE = "off"
 #: Page-mass estimator -> r, the keys stored exactly per page and KV head.
 #: "mvar": the paper's Eq. 2; "mvar_top8": the 8 keys farthest from the page
 #: mean stored exactly, the other 56 summarized by their mean and variance with
@@ -83,7 +74,6 @@ MOIRA_DEFAULT_AUDIT_EVERY = 0
 MOIRA_PAPER_SETTINGS: dict[str, Any] = {
     "dense_batch_tokens": 0,
     "dense_steps": "moira",
-    "refine": "off",
     "audit_every": 0,
 }
 
@@ -92,7 +82,7 @@ MOIRA_PAPER_SETTINGS: dict[str, Any] = {
 class MoiraConfig:
     """Settings of the Moira decode step. The defaults are what the backend
     serves; ``MoiraConfig.paper()`` is the paper's decode step (§3.3). The
-    first eight are the user's options (the MOIRA_* variables,
+    first seven are the user's options (the MOIRA_* variables,
     ``moira_config_from_env``); the rest are the backend's settings, which
     benchmarks and tests change in process."""
 
@@ -111,9 +101,6 @@ class MoiraConfig:
     #: Storage of the summaries (one of MOIRA_SUMMARY_DTYPES); fixed when the
     #: KV cache is allocated, like the estimator.
     summary_dtype: str = MOIRA_DEFAULT_SUMMARY_DTYPE
-    #: One of MOIRA_REFINE_MODES: Estimate's second stage (exact masses for the
-    #: wide pages near the threshold; coverage rule only).
-    refine: str = MOIRA_DEFAULT_REFINE
     #: Captured-mass audit period in decode steps (0 = off: no audit launches).
     audit_every: int = MOIRA_DEFAULT_AUDIT_EVERY
     #: N_F: Attend blocks of a step, which share its pages evenly. 0 = the
@@ -218,20 +205,6 @@ class MoiraConfig:
                 f"captured-mass audits; 0 = off, default {MOIRA_DEFAULT_AUDIT_EVERY}), "
                 f"got {self.audit_every!r}"
             )
-        if self.refine not in MOIRA_REFINE_MODES:
-            raise ValueError(
-                f"Moira: {n('refine')} must be one of {MOIRA_REFINE_MODES} "
-                f"(default {MOIRA_DEFAULT_REFINE!r}), "
-                f"got {self.refine!r}"
-            )
-
-    @property
-    def refines(self) -> bool:
-        """Whether Estimate's second stage runs: refine="wide" under the coverage
-        rule. A fixed count has no threshold to refine around (the reference's
-        rule), so a workspace built for one launches neither the first Select nor
-        the refine kernel."""
-        return self.refine == "wide" and self.selector == "coverage"
 
     @property
     def summary_slots(self) -> int:
@@ -272,7 +245,6 @@ _MOIRA_ENV_FIELDS: dict[str, tuple[str, type]] = {
     "MOIRA_FIXED_FRACTION": ("fixed_fraction", float),
     "MOIRA_ESTIMATOR": ("estimator", str),
     "MOIRA_SUMMARY_DTYPE": ("summary_dtype", str),
-    "MOIRA_REFINE": ("refine", str),
     "MOIRA_AUDIT_EVERY": ("audit_every", int),
 }
 # Benchmark-only: the accuracy runs read every row through the selector (0),
@@ -336,7 +308,7 @@ def moira_config_from_env(environ: Mapping[str, str] | None = None) -> MoiraConf
 
 #: Kernels whose launch a ``launch`` mapping overrides ("step": the whole
 #: decode step's dependent launches).
-LAUNCH_KERNELS = ("writer", "estimate", "select", "refine", "attend", "audit", "step")
+LAUNCH_KERNELS = ("writer", "estimate", "select", "attend", "audit", "step")
 #: Attend blocks resident per SM at Attend's register cap; N_F = 0 aims a step
 #: at this many blocks per SM, one full wave.
 ATTEND_BLOCKS_PER_SM = 3
@@ -364,13 +336,6 @@ class EstimateLaunch(NamedTuple):
 class SelectLaunch(NamedTuple):
     lanes: int  # K_B: thresholds per bisection pass in one 2D reduction (1: one each)
     num_warps: int  # per (row, KV head) program
-
-
-class RefineLaunch(NamedTuple):
-    tile_pages: int  # pages per refine tile (its candidate test is one [G, pages] tile)
-    pipeline_stages: int  # depth of the loop over a tile's refined pages
-    num_warps: int  # per program
-    step_programs: int  # about how many programs a step launches
 
 
 class AuditLaunch(NamedTuple):
@@ -445,32 +410,6 @@ def select_launch(
     )
 
 
-def refine_launch(overrides: Mapping[str, Any] | None = None) -> RefineLaunch:
-    """The refine kernel's launch. Smaller tiles spread a list's refined pages over more
-    programs (a program refines its tiles' pages one after another); the pipelined loop
-    copies the next pages' keys while this page's softmax runs. The grid depends only on
-    the step's rows and max_model_len, so capping the programs per step keeps a step
-    whose rows are short from launching programs that find nothing to do."""
-    defaults = {"tile_pages": 16, "pipeline_stages": 3, "num_warps": 4, "step_programs": 4096}
-    values = _overridden("refine", defaults, overrides)
-    if values["tile_pages"] not in (16, 32, 64, 128):
-        raise ValueError(
-            f"Moira: refine launch tile_pages must be one of (16, 32, 64, 128), "
-            f"got {values['tile_pages']!r}"
-        )
-    stages = values["pipeline_stages"]
-    if not isinstance(stages, int) or not 1 <= stages <= 6:
-        raise ValueError(
-            f"Moira: refine launch pipeline_stages must be an integer in 1..6, got {stages!r}"
-        )
-    step_programs = values["step_programs"]
-    if not isinstance(step_programs, int) or step_programs < 1:
-        raise ValueError(
-            f"Moira: refine launch step_programs must be a positive integer, got {step_programs!r}"
-        )
-    return RefineLaunch(**values)
-
-
 def attend_launch(kv_fp8: bool, overrides: Mapping[str, Any] | None = None) -> AttendLaunch:
     """Attend's launch on a bf16 or fp8 KV cache: the paper's 4 warps and 3 stages on
     bf16 pages; 5 on fp8 pages, half a bf16 page's bytes, so the same shared memory
@@ -507,7 +446,6 @@ def check_launch_overrides(
     writer_launch(launch.get("writer"))
     estimate_launch(0, True, launch.get("estimate"))
     select_launch(_SELECT_MAX_TILE_PAGES, 1, launch.get("select"))
-    refine_launch(launch.get("refine"))
     attend_launch(False, launch.get("attend"))
     audit_launch(1, launch.get("audit"))
     _overridden("step", {"pdl": True}, launch.get("step"))

@@ -379,77 +379,6 @@ def coverage_threshold(pibar: torch.Tensor, gamma: float) -> float | None:
 
 
 # --------------------------------------------------------------------------
-# Refine (not in the paper): exact masses for the wide pages near the threshold
-# --------------------------------------------------------------------------
-#: ``sparse_decode``'s ``refine`` (the backend's ``MOIRA_REFINE``).
-REFINE_MODES = ("off", "wide")
-#: Pages whose stage-1 share is within this many nats under Select's threshold
-#: (or above it) are candidates (docs/estimator.md, "Spread-gated refinement").
-REFINE_BELOW_NATS = 3.0
-#: A candidate is refined when its group-mean variance along x, ``x^2 . sigma^2``
-#: from the summary's variance slot, is at least this times REM's critical
-#: variance ``2 ln m`` (m = 64 - r summarized keys): the pages whose spread term
-#: is large enough to over-estimate them.
-REFINE_WIDE_FACTOR = 0.75
-
-
-def refine_candidates(
-    pibar: torch.Tensor, gamma: float, below: float = REFINE_BELOW_NATS
-) -> torch.Tensor:
-    """Middle pages whose share ``pibar [n]`` is at least ``tau e^-below``, tau the
-    smallest share :func:`select_pages` keeps at ``gamma`` (none when it keeps no middle
-    page): a bool mask ``[n]``."""
-    n = pibar.numel()
-    mask = torch.zeros(n, dtype=torch.bool, device=pibar.device)
-    tau = coverage_threshold(pibar, gamma) if n > 2 else None
-    if tau is not None:
-        mask[1 : n - 1] = pibar[1 : n - 1].float() >= tau * math.exp(-below)
-    return mask
-
-
-def wide_pages(
-    query: torch.Tensor,
-    page_summaries: torch.Tensor,
-    scale: float,
-    num_top: int,
-    factor: float = REFINE_WIDE_FACTOR,
-) -> torch.Tensor:
-    """``[H_kv, n]`` mask of the pages whose group-mean ``x^2 . sigma^2`` (slot 1 of the
-    ``[n, H_kv, S, D]`` summaries as Estimate reads them) is at least ``factor * 2 ln m``."""
-    h_kv = page_summaries.shape[1]
-    x = query.float().view(h_kv, -1, query.shape[-1]) * scale
-    v = torch.einsum("hgd,nhd->hgn", x * x, page_summaries[:, :, 1].float()).mean(dim=1)
-    return v >= factor * 2.0 * math.log(PAGE_SIZE - num_top)
-
-
-def refine_row_logmass(
-    query: torch.Tensor, kv_cache: torch.Tensor, summaries: torch.Tensor,
-    block_table_row: torch.Tensor, seq_len: int, scale: float, logmass: torch.Tensor,
-    gamma: float, estimator: str,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Stage 2 of Estimate under ``refine="wide"``: ``logmass [H_kv, G, n]`` (stage 1,
-    :func:`estimate_row_logmass`) with the exact log-mass of every page that is both a
-    :func:`refine_candidates` page of its KV head at ``gamma`` and a :func:`wide_pages`
-    page. Returns ``(log-masses, refined mask [H_kv, n])``; Select then runs on them.
-    ``gamma >= 1`` keeps every page anyway: nothing is refined."""
-    n = num_pages(seq_len)
-    h_kv = logmass.shape[0]
-    mask = torch.zeros(h_kv, n, dtype=torch.bool, device=logmass.device)
-    if gamma >= 1.0 or n <= 2:
-        return logmass, mask
-    pibar = group_mean_shares(logmass)
-    candidates = torch.stack([refine_candidates(pibar[h], gamma) for h in range(h_kv)])
-    summ = summaries[block_table_row[:n].long()]
-    wide = wide_pages(query, summ, scale, TOP_ESTIMATORS.get(estimator, 0))
-    mask = candidates & wide
-    if not bool(mask.any()):
-        return logmass, mask
-    keys, _ = row_keys_values(kv_cache, block_table_row, seq_len)
-    exact = exact_page_logmass(query, keys, seq_len, scale)
-    return torch.where(mask.unsqueeze(1), exact, logmass), mask
-
-
-# --------------------------------------------------------------------------
 # Attend over a page list, and the LSE merge
 # --------------------------------------------------------------------------
 def attend_pages(
@@ -524,16 +453,12 @@ def sparse_decode(
     gamma: float | Sequence[float] = 0.98,
     fixed_pages: int | None = None,
     estimator: str = "mvar",
-    refine: str = "off",
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """Moira's decode step for ``B`` rows: output ``[B, H_q, D]`` fp32 and the
     page list of every (row, KV head). Rows with ``seq_len == 0`` give zeros.
 
     ``gamma`` is one value for every row, or one per row (requests with their
-    own ``moira_gamma`` in one batch). ``refine="wide"``: :func:`refine_row_logmass`
-    between Estimate and Select (coverage rule only)."""
-    if refine not in REFINE_MODES:
-        raise ValueError(f"refine must be one of {REFINE_MODES}, got {refine!r}")
+    own ``moira_gamma`` in one batch)."""
     batch, h_q, head_size = query.shape
     row_gammas = [gamma] * batch if isinstance(gamma, (int, float)) else list(gamma)
     if len(row_gammas) != batch:
@@ -549,11 +474,6 @@ def sparse_decode(
         logmass = estimate_row_logmass(
             query[b], kv_cache, summaries, block_table[b], seq_len, scale, estimator
         )
-        if refine == "wide" and fixed_pages is None:
-            logmass, _ = refine_row_logmass(
-                query[b], kv_cache, summaries, block_table[b], seq_len, scale, logmass,
-                row_gammas[b], estimator,
-            )  # fmt: skip
         pibar = group_mean_shares(logmass)
         row_lists = [select_pages(pibar[h], row_gammas[b], fixed_pages) for h in range(h_kv)]
         keys, values = row_keys_values(kv_cache, block_table[b], seq_len)
