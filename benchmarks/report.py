@@ -10,7 +10,7 @@ a record that is not in it is not on the page and should not be in the tree.
 
 Each record entry: ``path`` (relative to benchmarks/results/), and where the record itself does
 not say them: ``commit`` (the tree it ran on), ``device``, ``command``; ``config`` (the Moira
-configuration of the rows that do not name it: estimator, summary dtype, refinement, ...);
+configuration of the rows that do not name it: estimator, summary dtype, ...);
 ``model`` (a display name where the record has a folder name); ``filter`` (row field -> the
 values to keep); ``note`` (how the run differs from the section's method); ``optional`` (a
 record still to be added: a warning, not an error, while it is missing). The commit is taken
@@ -34,13 +34,12 @@ PAGE = ROOT / "docs" / "results.md"
 NOT_RECORDED = "not recorded"
 
 #: The Moira configuration of the rows whose record does not name it.
-DEFAULT_OFF = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "off"}
-DEFAULT_WIDE = {"estimator": "mvar_top8", "summary_dtype": "int8", "refine": "wide"}
+DEFAULT_OFF = {"estimator": "mvar_top8", "summary_dtype": "int8"}
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 QWEN = "Qwen2.5-Coder-1.5B-Instruct"
 #: The quantized key copy's rows on the results page: alone, and as the refinement's stage 2.
 KEY_COPY_ARMS = ["keyq4c", "2v/int8:mvar_top8/keyq4c/3/0.75"]
-#: Estimator-study arms shown: the paper's, the default and the accuracy mode.
+#: Estimator-study arms shown: the paper's, the default and the removed refinement.
 STUDY_ARMS = {
     "gamma": [0.98],
     "estimator": ["mvar", "int8:mvar_top8", "2v/int8:mvar_top8/oracle/3/0.75"],
@@ -92,7 +91,7 @@ MANIFEST: list[dict] = [
             {
                 "path": "tpot/tpot_mvar_b1_h200.json",
                 "commit": "6869ee6",
-                "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
+                "config": {"estimator": "mvar", "summary_dtype": "int8"},
                 "filter": {"batch": [4, 32], "selector": ["fixed"]},
             },
             {"path": "tpot/tpot_qwen_now_h200.json", "commit": "bb43c43", "config": DEFAULT_OFF},
@@ -188,13 +187,6 @@ MANIFEST: list[dict] = [
                 "filter": ACC_GAMMAS,
             },
             {
-                "path": "accuracy/accuracy_qwen_vllm_refine_h200.json",
-                "commit": "a5a88f5",
-                "device": H200,
-                "config": DEFAULT_WIDE,
-                "filter": {**ACC_GAMMAS, "estimator": [None, "mvar_top8+wide"]},
-            },
-            {
                 "path": "accuracy/accuracy_smollm2_vllm_final_h200.json",
                 "commit": "e23043e",
                 "device": H200,
@@ -207,15 +199,8 @@ MANIFEST: list[dict] = [
                 "commit": "e23043e",
                 "device": H200,
                 "model": "SmolLM2-135M-Instruct",
-                "config": {"estimator": "mvar", "summary_dtype": "int8", "refine": "off"},
+                "config": {"estimator": "mvar", "summary_dtype": "int8"},
                 "filter": ACC_GAMMAS,
-            },
-            {
-                "path": "accuracy/accuracy_smollm2_vllm_refine_h200.json",
-                "commit": "a5a88f5",
-                "device": H200,
-                "config": DEFAULT_WIDE,
-                "filter": {**ACC_GAMMAS, "estimator": [None, "mvar_top8+wide"]},
             },
         ],
     },  # fmt: skip
@@ -228,7 +213,8 @@ MANIFEST: list[dict] = [
             "p10 mass: 10th percentile of the attention mass captured; needle drops: lists "
             "attending a needle (share ≥ 5%) that lost a needle page; error: output error "
             "relative to the oracle's. `int8:mvar_top8` is the default; `2v/…/3/0.75` is the "
-            "refinement (`MOIRA_REFINE=wide`). Method: [estimator.md](estimator.md)."
+            "spread-gated refinement (studied; removed from the backend). Method: "
+            "[estimator.md](estimator.md)."
         ),
         "records": [
             {
@@ -367,7 +353,6 @@ MANIFEST: list[dict] = [
                 "config": {
                     "estimator": "mvar",
                     "summary_dtype": "bf16",
-                    "refine": "off",
                     "attend": "lists (Alg. 2)",
                 },
             },
@@ -454,13 +439,6 @@ MANIFEST: list[dict] = [
         "records": [
             {"path": "kernel_timing/kernel_timing_pages_h200.json", "commit": "0f7987a"},
             {
-                "path": "kernel_timing/estimate_select_refine_timing_h100.json",
-                "commit": "5cab70d",
-                "note": "Queries scaled ×3 (`--query-scale 3`) so that the refinement finds "
-                "wide pages",
-                "filter": {"summary_dtype": ["int8"], "estimator": ["mvar_top8"]},
-            },
-            {
                 "path": "kernel_timing/keyq_estimate_h100.json",
                 "commit": "a5c363e",
                 "note": "The quantized key copy's Estimate (`benchmarks/probes/keyq_estimate.py`, "
@@ -496,7 +474,7 @@ MANIFEST: list[dict] = [
 ]
 
 #: Row fields that name a Moira engine's configuration, in display order.
-CONFIG_KEYS = ("estimator", "summary_dtype", "refine", "attend", "dense_batch_tokens", "mode")
+CONFIG_KEYS = ("estimator", "summary_dtype", "attend", "dense_batch_tokens", "mode")
 
 
 # ---------------------------------------------------------------- formatting helpers
@@ -554,9 +532,7 @@ def config_text(row: dict, defaults: dict | None) -> str:
     for k in CONFIG_KEYS:
         if merged.get(k) is not None:
             v = merged[k]
-            if k == "refine":
-                parts.append(f"refine {v}")
-            elif k in ("attend", "dense_batch_tokens"):
+            if k in ("attend", "dense_batch_tokens"):
                 parts.append(f"{k} {v}")
             else:
                 parts.append(f"{v} mode" if k == "mode" else str(v))
@@ -713,16 +689,15 @@ def render_serving(section: dict, loaded: list) -> list[str]:
 
 
 def accuracy_config(r: dict, defaults: dict | None) -> str:
-    """One accuracy arm's configuration: its estimator field (``[int4:]name[+wide]``) where the
+    """One accuracy arm's configuration: its estimator field (``[int4:]name``) where the
     record has one, else the manifest's; then its selector."""
     if r["arm"] == "dense":
         return "dense (`FLASH_ATTN`)"
     cfg = dict(defaults or {})
     est = r.get("estimator")
     if est:
-        name, _, refine = est.partition("+")
-        dtype, _, name = name.rpartition(":")
-        cfg.update(estimator=name, refine=refine or "off")
+        dtype, _, name = est.rpartition(":")
+        cfg.update(estimator=name)
         if dtype:
             cfg["summary_dtype"] = dtype
     if r["arm"] == "moira":
@@ -895,8 +870,8 @@ def render_checks(section: dict, loaded: list) -> list[str]:
 
 
 def render_timing(section: dict, loaded: list) -> list[str]:
-    header = ["shape", "estimator", "refine", "Estimate µs", "Select µs",
-              "Estimate (+ refine) + Select µs", "Attend + Merge µs (reads)",
+    header = ["shape", "estimator", "Estimate µs", "Select µs",
+              "Estimate + Select µs", "Attend + Merge µs (reads)",
               "Attend % of copy rate", "dense FA3 µs", "device", "record"]  # fmt: skip
     rows = []
     for entry, data, m in loaded:
@@ -905,13 +880,13 @@ def render_timing(section: dict, loaded: list) -> list[str]:
                 e = r["default_estimate"]
                 rows.append([
                     r["shape"], f"`{e['summary_dtype']}:{e['estimator']}` (same pages)",
-                    e.get("refine") or "off", fmt(e["estimate_us"]), "–", "–", "–", "–", "–",
+                    fmt(e["estimate_us"]), "–", "–", "–", "–", "–",
                     m["device"], f"`{entry['path']}`",
                 ])  # fmt: skip
                 rows.append([
                     r["shape"], f"key copy `keyq4c`, {r['bytes_per_page_head']:,} B per page "
                     f"and KV head at {fmt(100 * r['keyq_fraction_of_copy_bw'], 1)}% of the "
-                    "copy rate", "–", fmt(r["keyq_estimate_us"]), "–", "–", "–", "–", "–",
+                    "copy rate", fmt(r["keyq_estimate_us"]), "–", "–", "–", "–", "–",
                     m["device"], f"`{entry['path']}`",
                 ])  # fmt: skip
                 continue
@@ -920,13 +895,13 @@ def render_timing(section: dict, loaded: list) -> list[str]:
                     continue
                 rows.append([
                     r["shape"], f"`{e.get('summary_dtype')}:{e['estimator']}`",
-                    e.get("refine") or "off", fmt(e.get("estimate_us")),
+                    fmt(e.get("estimate_us")),
                     fmt(e.get("select_us")), fmt(e.get("estimate_select_us")),
                     "–", "–", "–", m["device"], f"`{entry['path']}`",
                 ])  # fmt: skip
             if "attend_pages_merge_us" in r:
                 rows.append([
-                    r["shape"], "Attend `pages` + Merge", "–", "–", "–", "–",
+                    r["shape"], "Attend `pages` + Merge", "–", "–", "–",
                     f"{fmt(r['attend_pages_merge_us'])} ({fmt(r.get('attend_kept_fraction'))})",
                     f"{fmt(100 * r.get('attend_pages_fraction_of_copy_bw', 0), 1)}%",
                     fmt(r.get("dense_fa3_us")), m["device"], f"`{entry['path']}`",

@@ -69,7 +69,7 @@ def _section(kind, records, title="T"):
 
 
 def test_tpot_table_names_configuration_device_and_commit(tmp_path):
-    rec = _tpot_record(estimator="mvar_top8", summary_dtype="int8", refine="off",
+    rec = _tpot_record(estimator="mvar_top8", summary_dtype="int8", audit_every=64,
                        config="default")  # fmt: skip
     (tmp_path / "tpot").mkdir()
     (tmp_path / "tpot" / "r.json").write_text(json.dumps(rec))
@@ -79,7 +79,7 @@ def test_tpot_table_names_configuration_device_and_commit(tmp_path):
     row = next(line for line in page.splitlines() if line.startswith("| M |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "32768×16"
-    assert cells[3] == "**default**: mvar_top8, int8, refine off, coverage γ 0.98"
+    assert cells[3] == "**default**: mvar_top8, int8, audit every 64 steps, coverage γ 0.98"
     assert cells[4:8] == ["0.476", "7.000", "5.500", "**1.27×**"]
     # the sidecar's commit wins over the manifest's; the device comes from the record;
     # the host's absolute paths are cut to their last part
@@ -116,13 +116,13 @@ def test_accuracy_table(tmp_path):
             row("moira[mvar_top8]@0.99", "moira", 4096, 70.5, 0.5, 0.68),
             {**row("dense", "dense", 4096, 1.0, 0.0, None), "haystack": "essays"},
             {**row("dense", "dense", 4096, 1.0, 0.0, None), "task": "niah_single"}]  # fmt: skip
-    rows[1]["estimator"] = "int4:mvar_top8+wide"
+    rows[1]["estimator"] = "int4:mvar_top8"
     (tmp_path / "a.json").write_text(json.dumps({"model": "Q", "rows": rows}))
     entry = {"path": "a.json", "config": {"estimator": "mvar", "summary_dtype": "int8"}}
     page = report.render([_section("accuracy", [entry])], results=tmp_path)
     assert "| dense (`FLASH_ATTN`) | 70.0 | `a.json` |" in page
     # the row's estimator field wins over the record's configuration
-    assert "| mvar_top8, int4, refine wide, coverage γ 0.99 | +0.5 @ 0.68 | `a.json` |" in page
+    assert "| mvar_top8, int4, coverage γ 0.99 | +0.5 @ 0.68 | `a.json` |" in page
     assert page.count("| dense (`FLASH_ATTN`) |") == 1  # per-task and per-haystack rows hidden
 
 
