@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Moira kernels at real shapes on a Hopper GPU: correctness record + timing sanity.
 
-Llama-3.1-8B geometry (32 query heads, 8 KV heads, D=128), 64-token pages in
-shuffled blocks (block 0 = vLLM's null block), ragged row lengths.
+Llama-3.1-8B geometry (32 query heads, 8 KV heads, D=128; ``--heads`` for another, e.g.
+``12,2`` for Qwen2.5-Coder-1.5B), 64-token pages in shuffled blocks (block 0 = vLLM's null
+block), ragged row lengths.
 
 Correctness (written to --json):
 - gamma=1 keeps every page and matches vLLM's FA3 (flash_attn_varlen_func over
@@ -64,6 +65,8 @@ from tests.v1.attention.moira_test_utils import (  # noqa: E402
 )
 from vllm_moira.v1.attention.ops import moira_reference as ref  # noqa: E402
 
+#: Query and KV heads of the cases (Llama-3.1-8B's) unless build_case is given others
+#: (--heads), and the head size.
 HQ, HKV, D = 32, 8, 128
 #: Launch overrides by kernel (moira.check_launch_overrides) that every workspace and
 #: launch of this run uses: --estimate-launch, or a GPU test's candidate
@@ -86,7 +89,7 @@ SCALE = D**-0.5
 # Cases
 # --------------------------------------------------------------------------
 def build_case(batch, context, layout="token_major", pattern="concentrated", seed=0,
-               ragged=True, kv_cache_dtype="auto"):  # fmt: skip
+               ragged=True, kv_cache_dtype="auto", heads=(HQ, HKV)):  # fmt: skip
     """A decode batch; ``kv_cache_dtype="fp8"``: its cache quantized to e4m3
     with per-layer scales (``case["scales"]``, the kernels' k_scale / v_scale)."""
     if kv_cache_dtype not in ("auto", "fp8"):
@@ -98,9 +101,9 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
     max_pages = math.ceil(context / PAGE)
     num_blocks = batch * max_pages + 17
     torch.manual_seed(seed)
-    kv = make_kv_cache(num_blocks, HKV, D, layout, device="cuda")
+    kv = make_kv_cache(num_blocks, heads[1], D, layout, device="cuda")
     table = make_block_table(seq_lens, num_blocks, max_pages, generator=gen, device="cuda")
-    query = torch.randn(batch, HQ, D, device="cuda").to(torch.bfloat16)
+    query = torch.randn(batch, heads[0], D, device="cuda").to(torch.bfloat16)
     shape_attention(kv, query, table, seq_lens, pattern, generator=gen)
     scales = {}
     if kv_cache_dtype == "fp8":
@@ -116,6 +119,11 @@ def build_case(batch, context, layout="token_major", pattern="concentrated", see
     return dict(kv=kv, summaries=summaries, table=table, seq=seq, query=query,
                 seq_lens=seq_lens, max_pages=max_pages, scales=scales,
                 kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+
+
+def heads_of(case):
+    """The case's (query heads, KV heads)."""
+    return case["query"].shape[1], case["kv"].shape[1]
 
 
 def k_scale_of(case):
@@ -146,7 +154,7 @@ def write_summaries(kv, estimator, summary_dtype="bfloat16", k_scale=None):
     (an fp8 ``kv``: with its ``k_scale``)."""
     num_blocks = kv.shape[0]
     dtype, rows = moira.summary_storage(moira.summary_slots(estimator), summary_dtype)
-    summaries = torch.zeros(num_blocks, HKV, rows, D, device="cuda", dtype=dtype)
+    summaries = torch.zeros(num_blocks, kv.shape[1], rows, D, device="cuda", dtype=dtype)
     all_last_slots = torch.arange(num_blocks, device="cuda", dtype=torch.int64) * PAGE + 63
     moira.write_page_summaries(kv, summaries, all_last_slots, k_scale, launch=LAUNCH)
     return summaries
@@ -165,7 +173,7 @@ def estimator_case(case, name):
 def workspace(case, config, launch=None):
     """A workspace for ``case`` under ``config``, with LAUNCH or ``launch``'s overrides."""
     launch = LAUNCH if launch is None else launch
-    return moira.MoiraWorkspace(case["query"].shape[0], HQ, HKV, D, case["max_pages"],
+    return moira.MoiraWorkspace(case["query"].shape[0], *heads_of(case), D, case["max_pages"],
                                 config, "cuda", launch=launch)  # fmt: skip
 
 
@@ -191,7 +199,7 @@ def fa3_kwargs(case):
         block_table=case["table"], softmax_scale=SCALE, causal=True, fa_version=3,
     )  # fmt: skip
     if case["scales"]:
-        descale = (batch, HKV)
+        descale = (batch, case["kv"].shape[1])
         kwargs.update(
             q=query.float().clamp(-ref.FP8_E4M3_MAX, ref.FP8_E4M3_MAX).to(torch.float8_e4m3fn),
             q_descale=torch.ones(descale, dtype=torch.float32, device="cuda"),
@@ -221,7 +229,7 @@ def dense_reference_rows(case, rows):
     for row in rows:
         keys, values = ref.row_keys_values(reference_cache(case), case["table"][row],
                                            case["seq_lens"][row])  # fmt: skip
-        every = [torch.arange(math.ceil(case["seq_lens"][row] / PAGE))] * HKV
+        every = [torch.arange(math.ceil(case["seq_lens"][row] / PAGE))] * case["kv"].shape[1]
         out[row] = ref.attend_pages(case["query"][row], keys, values, every,
                                     case["seq_lens"][row], SCALE)[0]  # fmt: skip
     return out
@@ -404,7 +412,7 @@ def check_select_and_estimate(case, gamma=0.98, estimate_rows=2, estimator=None)
         n = math.ceil(case["seq_lens"][row] / PAGE)
         pibar = ref.group_mean_shares(logmass[row, :, :, :n])
         row_lists = []
-        for h in range(HKV):
+        for h in range(case["kv"].shape[1]):
             expected = ref.select_pages(pibar[h], gamma=gamma)
             got = page_list[row, h, : int(list_lengths[row, h])]
             rows_checked += 1
@@ -468,14 +476,14 @@ def check_estimator_summaries(case, name, num_pages=64):
             q, scales = ref.split_int4_summaries(case["summaries"][blocks])
         steps = (q.int() - q_ref.int()).abs()
         return {
-            "pages_checked": num_pages * HKV,
+            "pages_checked": num_pages * case["kv"].shape[1],
             "int8_max_step_diff": int(steps.max()),
             "int8_equal_fraction": float((steps == 0).float().mean()),
             "scale_max_rel_err": float(((scales - scale_ref).abs()
                                         / scale_ref.clamp_min(1e-30)).max()),
         }  # fmt: skip
     got = case["summaries"][blocks].float()
-    same_keys = torch.ones(num_pages, HKV, dtype=torch.bool, device="cuda")
+    same_keys = torch.ones(num_pages, case["kv"].shape[1], dtype=torch.bool, device="cuda")
     if r:
         # Bit copies of the (dequantized, for fp8) keys, as bf16 stores them.
         stored = expected[:, :, 2:].to(torch.bfloat16).float()
@@ -491,7 +499,7 @@ def check_estimator_summaries(case, name, num_pages=64):
     ulp = torch.pow(2.0, torch.floor(torch.log2(magnitude)) - 7)
     rel = ((got[:, :, :2] - expected[:, :, :2]).abs() / ulp).amax(dim=(2, 3))
     return {
-        "pages_checked": num_pages * HKV,
+        "pages_checked": num_pages * case["kv"].shape[1],
         "stored_keys_equal": int(same_keys.sum()),
         "bulk_max_err_in_bf16_ulps": float(rel[same_keys].max()) if same_keys.any() else None,
     }
@@ -545,7 +553,7 @@ def time_estimator(case, name, gamma=0.98, sweep_launch=False):
         "int4": (2 + (num_slots - 2) // 2) * D + 4 * num_slots,
     }.get(summary_dtype, num_slots * 2 * D)
     row["estimate_summary_gbytes_per_s"] = (
-        pages * HKV * per_page / (row["estimate_us"] * 1e-6) / 1e9
+        pages * case["kv"].shape[1] * per_page / (row["estimate_us"] * 1e-6) / 1e9
     )
     summaries = case["summaries"]
     slots = torch.arange(summaries.shape[0], device="cuda", dtype=torch.int64) * PAGE + 63
@@ -610,7 +618,7 @@ def copy_bandwidth_tbps(nbytes=4 << 30):
 ESTIMATE_SWEEP = [
     *({"key_stages": s} for s in (1, 2, 3, 4)),
     *({"tile_pages": t, "num_warps": w}
-      for t, w in ((16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
+      for t, w in ((16, 2), (16, 4), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
     *({"maxnreg": r} for r in (None, 112, 96)),
 ]  # fmt: skip
 
@@ -827,7 +835,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     # K and V of the kept pages, in the cache's bytes (fp8: one per value).
     kept_bytes = int(counts.sum()) * PAGE * 2 * D * case["kv"].element_size()
     # The paper's Alg. 2 (benchmarks/paper_attend.py) on the same lists.
-    paper = PaperAttend(batch, HQ, HKV, D, ws_fixed.attend_fill_blocks, "cuda")
+    paper = PaperAttend(batch, *heads_of(case), D, ws_fixed.attend_fill_blocks, "cuda")
     attend_us = graph_time_us(
         lambda: paper(case["query"], case["kv"], case["table"], case["seq"], ws_fixed.page_list,
                       ws_fixed.list_lengths, out, SCALE, **scales)
@@ -845,7 +853,9 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
         rows["attend_sweep"] = sweep_attend_launch(case, out, ws_fixed, scales)
     if sweep_estimate_select:
         rows.update(sweep_estimate_and_select(case, ws))
-    rows["attend_kept_fraction"] = int(counts.sum()) / (case["max_pages"] * batch * HKV)
+    rows["attend_kept_fraction"] = int(counts.sum()) / (
+        case["max_pages"] * batch * case["kv"].shape[1]
+    )
     rows["attend_tbps"] = kept_bytes / (attend_us * 1e-6) / 1e12
     rows["moira_step_fixed_us"] = graph_time_us(
         lambda: moira.moira_decode(*args, out, ws_fixed, SCALE, **scales)
@@ -855,7 +865,7 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
     )
     counts_cov = ws.list_lengths[:batch]
     rows["coverage_kept_fraction"] = int(counts_cov.sum()) / sum(
-        math.ceil(s / PAGE) * HKV for s in case["seq_lens"]
+        math.ceil(s / PAGE) * case["kv"].shape[1] for s in case["seq_lens"]
     )
     fa_out = torch.empty_like(case["query"])
     fa_kwargs = fa3_kwargs(case)  # fp8: the query quantized once, outside the timing
@@ -866,6 +876,8 @@ def time_case(case, kept_fraction=0.22, sweep_attend=False, sweep_estimate_selec
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="4x131072,32x8192")
+    parser.add_argument("--heads", default=f"{HQ},{HKV}",
+                        help="QUERY_HEADS,KV_HEADS of every case (head size 128)")  # fmt: skip
     parser.add_argument("--json", help="correctness record")
     parser.add_argument("--timing-json", help="timing sanity record")
     parser.add_argument("--skip-timing", action="store_true")
@@ -933,19 +945,26 @@ def main():
     if args.only_estimators and not estimators:
         parser.error("--only-estimators needs --estimators")
     command = "python " + " ".join(sys.argv)
+    try:
+        heads = tuple(int(v) for v in args.heads.split(","))
+        if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--heads must be QUERY_HEADS,KV_HEADS with KV heads dividing query heads, "
+                     f"got {args.heads!r}")  # fmt: skip
     gpu = torch.cuda.get_device_name()
     record = {"command": command, "gpu": gpu, "torch": torch.__version__,
-              "kv_cache_dtype": args.kv_cache_dtype,
+              "kv_cache_dtype": args.kv_cache_dtype, "heads": list(heads),
               "launch_overrides": LAUNCH, "cases": []}  # fmt: skip
     timing = {"command": command, "gpu": gpu, "launch_overrides": LAUNCH,
-              "kv_cache_dtype": args.kv_cache_dtype, "rows": []}  # fmt: skip
+              "kv_cache_dtype": args.kv_cache_dtype, "heads": list(heads), "rows": []}  # fmt: skip
     if not args.skip_timing:
         timing["d2d_copy_tbps"] = copy_bandwidth_tbps()
         print(f"device-to-device copy: {timing['d2d_copy_tbps']:.2f} TB/s", flush=True)
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
         t0 = time.time()
-        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype)
+        case = build_case(batch, context, kv_cache_dtype=args.kv_cache_dtype, heads=heads)
         entry = {"shape": shape, "seq_lens": case["seq_lens"]}
         if not args.only_estimators and not args.skip_checks:
             entry["gamma_one"] = check_gamma_one(case)

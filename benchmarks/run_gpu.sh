@@ -38,6 +38,10 @@ Steps (NAME[:ARG]):
                        ESTIMATE_SWEEP launch (key stages, tile, warps, registers) and
                        Select under every SELECT_SWEEP launch, each checked against the
                        default's output, at 4x131072 and 32x8192, into estimate_sweep.json
+  estimate-sweep-real[:ESTIMATORS]
+                       the same at Qwen2.5-Coder-1.5B's heads (--heads 12,2) and the real
+                       rows' shapes 16x31744, 32x16384, 64x8192 (no model needed), into
+                       estimate_sweep_real.json
                        (ESTIMATORS default int8:mvar_top8,int4:mvar_top8)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
@@ -183,7 +187,7 @@ fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | keyq-estimate | serving | soak | smoke | e2e \
-            | summaries | vllm-tests | accuracy | estimate-sweep | attend-sweep) ;;
+            | summaries | vllm-tests | accuracy | estimate-sweep | estimate-sweep-real | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
         yarn-dense) NEED_YARN=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
@@ -337,6 +341,15 @@ for step in "${STEPS[@]}"; do
                 --json "${OUT}/estimate_sweep_checks${SUFFIX}.json" \
                 --estimators "${arg:-int8:mvar_top8,int4:mvar_top8}" --shapes 4x131072,32x8192 \
                 --timing-json "${OUT}/estimate_sweep${SUFFIX}.json"
+            ;;
+        estimate-sweep-real)
+            # The same sweep at the real-weights rows' geometry (Qwen2.5-Coder-1.5B: 12 query
+            # and 2 KV heads) and TPOT shapes: far fewer (row, KV head) lists than Llama's.
+            run "estimate_sweep_real${SUFFIX}" python benchmarks/moira_correctness.py \
+                "${KV_ARGS[@]}" --only-estimators --sweep-estimate-select --heads 12,2 \
+                --json "${OUT}/estimate_sweep_real_checks${SUFFIX}.json" \
+                --estimators "${arg:-int8:mvar_top8}" --shapes 16x31744,32x16384,64x8192 \
+                --timing-json "${OUT}/estimate_sweep_real${SUFFIX}.json"
             ;;
         attend-sweep)
             run "attend_sweep${SUFFIX}" python benchmarks/moira_correctness.py "${KV_ARGS[@]}" \
