@@ -70,6 +70,10 @@ Steps (NAME[:ARG]):
                        from --acc-prompts (OUT/serve_text.jsonl), then the dense and moira
                        (this script's MOIRA_*, MOIRA_GAMMA default 0.98) arms, two waves
                        per concurrency (CONC default 1,16,32), into serving_real.json
+  plugin-soak          soak_serve.py in plugin mode: phases plugin1 (CUSTOM at gamma 1, stock
+                       vLLM with this package, as plugin-check installs it) and dense, with
+                       preemption and prefix caching, outputs compared, moira_gamma refused
+                       with a 400; into soak_plugin.json (dummy-weights model, no text)
   plugin-check[:SHAPES]
                        plugin mode on stock vLLM: the bundle unpacked again into PREFIX-stock
                        (no patch), this package pip-installed beside it, then
@@ -187,6 +191,7 @@ fi
 for step in "${STEPS[@]}"; do
     case "${step%%:*}" in
         gpu-tests | correctness | tpot | kernel-spread | keyq-estimate | serving | soak | smoke | e2e \
+            | plugin-soak \
             | summaries | vllm-tests | accuracy | estimate-sweep | estimate-sweep-real | attend-sweep) ;;
         accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
         yarn-dense) NEED_YARN=1 ;;
@@ -248,6 +253,16 @@ PYEOF
 
 FAILED=0
 # run NAME CMD...: run one command, its output to NAME.log, recorded in run.json.
+# The stock vLLM 0.30.0 package (the bundle unpacked again, no patch) with this package
+# pip-installed beside it: plugin mode. Once per run; the plugin steps share it.
+STOCK="${PREFIX}-stock"
+stock_install() {
+    [[ -f "${STOCK}/.installed" ]] && return 0
+    rm -rf "${STOCK}"
+    run plugin_install bash -c "bash '${SHARED}/gpu/install_vllm_bundle.sh' \
+        '${BUNDLE}' '${STOCK}' && python3 -m pip install -q --no-deps \
+        --no-build-isolation --target '${STOCK}/plugin' ." && touch "${STOCK}/.installed"
+}
 run() {
     local name=$1 t rc
     shift
@@ -440,14 +455,18 @@ for step in "${STEPS[@]}"; do
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${arg:-31744x16,16384x32,31744x1}" --gen 32
             ;;
+        plugin-soak)
+            stock_install || continue
+            run plugin_soak bash -c "source '${STOCK}/env.sh' && \
+                PYTHONPATH='${STOCK}/plugin':\"\${PYTHONPATH}\" python benchmarks/soak_serve.py \
+                --phases plugin1,dense --gamma-check --model '${MODEL}' \
+                --tokenizer '${TOKENIZER}' --out '${OUT}/soak_plugin.json'"
+            ;;
         plugin-check)
-            stock="${PREFIX}-stock"
+            stock="${STOCK}"
             greedy=(python benchmarks/plugin_greedy_check.py --model "${ACC_MODEL}"
                 --prompts "${ACC_PROMPTS}")
-            rm -rf "${stock}"
-            run plugin_install bash -c "bash '${SHARED}/gpu/install_vllm_bundle.sh' \
-                '${BUNDLE}' '${stock}' && python3 -m pip install -q --no-deps \
-                --no-build-isolation --target '${stock}/plugin' ." || continue
+            stock_install || continue
             run plugin_dense "${greedy[@]}" --backend FLASH_ATTN --out "${OUT}/greedy_dense.json"
             run plugin_patched env MOIRA_GAMMA=1 MOIRA_DENSE_BATCH_TOKENS=0 "${greedy[@]}" \
                 --backend MOIRA --out "${OUT}/greedy_patched.json"

@@ -56,7 +56,15 @@ PHASES = {
     "moira1": {"VLLM_ATTENTION_BACKEND": "MOIRA", "MOIRA_GAMMA": "1"},
     "dense": {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"},
     "moira098": {"VLLM_ATTENTION_BACKEND": "MOIRA", "MOIRA_GAMMA": "0.98"},
+    # Plugin mode (stock vLLM 0.30.0 with this package installed): selected by flags, not
+    # by VLLM_ATTENTION_BACKEND, which the plugin refuses.
+    "plugin1": {"MOIRA_GAMMA": "1"},
 }
+#: The phases' own `vllm serve` flags.
+PHASE_SERVE_ARGS = {
+    "plugin1": ["--attention-backend", "CUSTOM",
+                "--logits-processors", "vllm_moira.request_guard:MoiraRequestGuard"],
+}  # fmt: skip
 METRICS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
 
 
@@ -123,13 +131,14 @@ def scrape_metrics(base: str) -> dict:
 # --------------------------------------------------------------------------
 # Server
 # --------------------------------------------------------------------------
-def server_command(args) -> list[str]:
+def server_command(args, phase: str) -> list[str]:
     return vllm_exe() + [
         "serve", args.model, "--load-format", "dummy", "--tokenizer", args.tokenizer,
         "--block-size", "64", "--max-model-len", str(args.max_model_len),
         "--enable-prefix-caching", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-num-seqs",
         str(args.max_num_seqs), "--seed", "0", "--host", "127.0.0.1", "--port", str(args.port),
+        *PHASE_SERVE_ARGS.get(phase, []),
     ]  # fmt: skip
 
 
@@ -142,7 +151,7 @@ def run_phase(name, args, workload, deadline, record, save) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOIRA_")}
     env.pop("VLLM_ATTENTION_BACKEND", None)
     env.update(PHASES[name])
-    command = server_command(args)
+    command = server_command(args, name)
     phase["command"] = (
         " ".join(f"{k}={v}" for k, v in PHASES[name].items()) + " " + " ".join(command)
     )
@@ -269,11 +278,13 @@ def run_gamma_check(name: str, base: str, args) -> dict:
     an invalid 1.5; the dense phase gives the reference text."""
     from benchmarks import serve_smoke
 
-    backend = PHASES[name]["VLLM_ATTENTION_BACKEND"]
+    backend = PHASES[name].get("VLLM_ATTENTION_BACKEND", "CUSTOM")
     smoke_args = serve_smoke.build_parser().parse_args(
         ["--out", "unused", "--backend", backend, "--model", args.model]
     )
     try:
+        if backend == "CUSTOM":
+            return plugin_gamma_check(base, smoke_args)
         return serve_smoke.gamma_check(base, smoke_args)
     except Exception as error:  # recorded, never fatal to the soak record
         log(f"[{name}] gamma check failed: {error!r}")
@@ -302,17 +313,41 @@ def budget_problem(budget_s: float, todo: list[str]) -> str | None:
     )
 
 
+def plugin_gamma_check(base: str, smoke_args) -> dict:
+    """Plugin mode: the dense check's request (its text, compared with the dense phase's),
+    and a request with ``moira_gamma``, which the request guard must refuse with HTTP 400
+    naming the parameter (plugin mode cannot apply a request's own gamma)."""
+    from benchmarks import serve_smoke
+
+    result = serve_smoke.gamma_check(base, smoke_args)  # a backend other than MOIRA: dense's
+    status, body = serve_smoke.http_status(
+        base + "/v1/completions",
+        {"model": smoke_args.model, "prompt": "hi", "max_tokens": 4,
+         "vllm_xargs": {"moira_gamma": 0.9}},
+    )  # fmt: skip
+    result["moira_gamma_request"] = {"status": status, "body": body[:500]}
+    result["ok"] = result["ok"] and status == 400 and "moira_gamma" in body
+    return result
+
+
 def compare_gamma_checks(record: dict) -> dict | None:
-    """The gamma=1 request of the MOIRA gamma check vs the dense reference text."""
+    """The gamma=1 request of the MOIRA gamma check, and plugin mode's request, vs the dense
+    reference text; plugin mode's refusal of moira_gamma."""
     dense = record["phases"].get("dense", {}).get("gamma_check", {})
     moira = record["phases"].get("moira1", {}).get("gamma_check", {})
-    if "dense_text" not in dense or "concurrent" not in moira:
+    plugin = record["phases"].get("plugin1", {}).get("gamma_check", {})
+    if "dense_text" not in dense:
         return None
-    gamma_1 = [r["text"] for r in moira["concurrent"] if r["gamma"] == 1.0]
-    return {
-        "gamma_1_equals_dense": bool(gamma_1) and all(t == dense["dense_text"] for t in gamma_1),
-        "moira_checks": moira.get("checks"),
-    }
+    out: dict = {}
+    if "concurrent" in moira:
+        gamma_1 = [r["text"] for r in moira["concurrent"] if r["gamma"] == 1.0]
+        out["gamma_1_equals_dense"] = bool(gamma_1) and all(
+            t == dense["dense_text"] for t in gamma_1)  # fmt: skip
+        out["moira_checks"] = moira.get("checks")
+    if "dense_text" in plugin:
+        out["plugin_equals_dense"] = plugin["dense_text"] == dense["dense_text"]
+        out["plugin_refuses_moira_gamma"] = plugin.get("ok", False)
+    return out or None
 
 
 def compare(record: dict, a: str, b: str) -> dict | None:
@@ -417,6 +452,9 @@ def main() -> int:
         gamma_cmp = compare_gamma_checks(record)
         if gamma_cmp is not None:
             record["compare_gamma_check"] = gamma_cmp
+        cmp_plugin = compare(record, "plugin1", "dense")
+        if cmp_plugin is not None:
+            record["compare_plugin_gamma1_vs_dense"] = cmp_plugin
         cmp98 = compare(record, "moira098", "dense")
         if cmp98 is not None:
             record["compare_gamma098_vs_dense"] = cmp98

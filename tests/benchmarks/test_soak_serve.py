@@ -49,3 +49,21 @@ def test_budget_problem_names_the_option_and_the_budget_needed():
     assert soak.budget_problem(239, ["dense"]) is not None
     assert soak.budget_problem(240, ["dense"]) is None
     assert soak.budget_problem(10, []) is None
+
+
+def test_plugin_phase_is_selected_by_flags_and_compared_with_dense():
+    args = type("Args", (), {"model": "m", "tokenizer": "t", "max_model_len": 4096,
+                             "gpu_memory_utilization": 0.8, "num_gpu_blocks": 64,
+                             "max_num_seqs": 8, "port": 1})()  # fmt: skip
+    plugin = soak.server_command(args, "plugin1")
+    assert plugin.index("serve") < plugin.index("--attention-backend")  # serve's own flags
+    assert plugin[plugin.index("--attention-backend") + 1] == "CUSTOM"
+    assert "vllm_moira.request_guard:MoiraRequestGuard" in plugin
+    assert "VLLM_ATTENTION_BACKEND" not in soak.PHASES["plugin1"]  # the plugin refuses it
+    assert "--attention-backend" not in soak.server_command(args, "moira1")
+    record = {"phases": {"plugin1": _phase(gamma_check={"dense_text": "abc", "ok": True}),
+                         "dense": _phase(gamma_check={"dense_text": "abc"})}}  # fmt: skip
+    assert soak.compare_gamma_checks(record) == {"plugin_equals_dense": True,
+                                                 "plugin_refuses_moira_gamma": True}  # fmt: skip
+    record["phases"]["plugin1"]["gamma_check"]["ok"] = False  # moira_gamma not refused
+    assert soak.compare_gamma_checks(record)["plugin_refuses_moira_gamma"] is False
