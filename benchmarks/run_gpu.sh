@@ -38,11 +38,11 @@ Steps (NAME[:ARG]):
                        ESTIMATE_SWEEP launch (key stages, tile, warps, registers) and
                        Select under every SELECT_SWEEP launch, each checked against the
                        default's output, at 4x131072 and 32x8192, into estimate_sweep.json
+                       (ESTIMATORS default int8:mvar_top8,int4:mvar_top8)
   estimate-sweep-real[:ESTIMATORS]
                        the same at Qwen2.5-Coder-1.5B's heads (--heads 12,2) and the real
                        rows' shapes 16x31744, 32x16384, 64x8192 (no model needed), into
-                       estimate_sweep_real.json
-                       (ESTIMATORS default int8:mvar_top8,int4:mvar_top8)
+                       estimate_sweep_real.json (ESTIMATORS default int8:mvar_top8)
   attend-sweep[:SHAPES]
                        moira_correctness.py --sweep-attend --skip-checks: every Attend
                        launch candidate (ATTEND_SWEEP: warps, stages, register caps, N_F)
@@ -253,16 +253,6 @@ PYEOF
 
 FAILED=0
 # run NAME CMD...: run one command, its output to NAME.log, recorded in run.json.
-# The stock vLLM 0.30.0 package (the bundle unpacked again, no patch) with this package
-# pip-installed beside it: plugin mode. Once per run; the plugin steps share it.
-STOCK="${PREFIX}-stock"
-stock_install() {
-    [[ -f "${STOCK}/.installed" ]] && return 0
-    rm -rf "${STOCK}"
-    run plugin_install bash -c "bash '${SHARED}/gpu/install_vllm_bundle.sh' \
-        '${BUNDLE}' '${STOCK}' && python3 -m pip install -q --no-deps \
-        --no-build-isolation --target '${STOCK}/plugin' ." && touch "${STOCK}/.installed"
-}
 run() {
     local name=$1 t rc
     shift
@@ -279,6 +269,18 @@ run() {
     tail -5 "${OUT}/${name}.log"
     [[ ${rc} == 0 ]] || FAILED=1
     return "${rc}"
+}
+# The stock vLLM 0.30.0 package (the bundle unpacked again, no patch) with this package
+# pip-installed beside it: plugin mode. Once per run; the plugin steps share it.
+# (Reinstalled by every run: an earlier run's copy may hold older code of this package.)
+STOCK="${PREFIX}-stock"
+STOCK_INSTALLED=0
+stock_install() {
+    [[ ${STOCK_INSTALLED} == 1 ]] && return 0
+    rm -rf "${STOCK}"
+    run plugin_install bash -c "bash '${SHARED}/gpu/install_vllm_bundle.sh' \
+        '${BUNDLE}' '${STOCK}' && python3 -m pip install -q --no-deps \
+        --no-build-isolation --target '${STOCK}/plugin' ." && STOCK_INSTALLED=1
 }
 
 if [[ ${INSTALL} == 1 ]]; then
