@@ -97,7 +97,7 @@ def kernel_keyq_estimate(
     # head). A tile is one [ROWS, D] x [D, TILE_PAGES * 64] product: the codes times their
     # page's channel scales are the keys (fp16), so every page of the tile shares the query
     # operand, and the pipelined loop keeps the next tiles' code loads in flight while this
-    # one computes (the serial one-page loop waited on each page's loads).
+    # one computes: the bytes per page are few, so latency, not bandwidth, bounds one page.
     row = tl.program_id(0)
     head = tl.program_id(1)
     first = tl.program_id(2) * (TILES_PER_PROGRAM * TILE_PAGES)
