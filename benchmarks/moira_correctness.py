@@ -620,6 +620,11 @@ ESTIMATE_SWEEP = [
     *({"tile_pages": t, "num_warps": w}
       for t, w in ((16, 2), (16, 4), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))),
     *({"maxnreg": r} for r in (None, 112, 96)),
+    # Few (row, KV head) lists (2 KV heads): the smallest tile with each pipeline depth
+    # and register cap, for more programs per SM.
+    *({"tile_pages": 16, "num_warps": 2, "key_stages": s} for s in (2, 4)),
+    *({"tile_pages": 16, "num_warps": w, "maxnreg": None} for w in (1, 2)),
+    {"tile_pages": 16, "num_warps": 1},
 ]  # fmt: skip
 
 
