@@ -315,7 +315,7 @@ ATTEND_BLOCKS_PER_SM = 3
 # Estimate's warps. The summary writer runs on them too: the per-channel sums
 # of a page summary are reduced in the order of the warps' layout, and the
 # writer and Estimate must store the same bits for the same page.
-_ESTIMATE_NUM_WARPS = 2
+_ESTIMATE_NUM_WARPS = 4
 # Largest page tile Select keeps in registers; longer rows loop over tiles.
 _SELECT_MAX_TILE_PAGES = 4096
 
@@ -382,11 +382,12 @@ def estimate_launch(
     num_top: int, int8: bool, overrides: Mapping[str, Any] | None = None
 ) -> EstimateLaunch:
     """Estimate's launch for an estimator with ``num_top`` stored keys on int8 (or bf16)
-    summaries. Two-slot int8 summaries take 64-page programs, which otherwise have
-    little to do besides their fixed work; 128 registers per thread fit 8 programs
-    per SM instead of 6."""
+    summaries. int8 summaries take 64-page programs of 4 warps: each warp's share of
+    the tile's int8 products is the same as with 32 pages on 2 warps, and half the
+    programs repeat the fixed work (the query's digits, the block-table reads) half as
+    often; 128 registers per thread keep several programs per SM."""
     defaults = {
-        "tile_pages": 64 if num_top == 0 and int8 else 32,
+        "tile_pages": 64 if int8 else 32,
         "num_warps": _ESTIMATE_NUM_WARPS,
         "key_stages": 3,
         "maxnreg": 128,
