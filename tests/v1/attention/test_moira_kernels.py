@@ -494,7 +494,7 @@ def test_launches_are_functions_of_the_shapes_with_overrides():
     assert moira.attend_launch(kv_fp8=True).num_stages == 5
     assert moira.estimate_launch(0, True).tile_pages == 64
     assert moira.estimate_launch(0, False).tile_pages == 32
-    assert moira.estimate_launch(8, True) == moira.EstimateLaunch(32, 2, 3, 128)
+    assert moira.estimate_launch(8, True) == moira.EstimateLaunch(64, 4, 3, 128)
     assert moira.estimate_launch(0, True, {"tile_pages": 16}).tile_pages == 16
     assert moira.writer_launch().num_warps == moira.estimate_launch(8, True).num_warps
     assert moira.select_launch(4096, 1) == moira.SelectLaunch(lanes=8, num_warps=16)
