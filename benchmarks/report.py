@@ -58,7 +58,23 @@ MANIFEST: list[dict] = [
             "same run. Rows marked **default** are the shipped configuration."
         ),
         "records": [
-            {"path": "tpot/tpot_real_h100.json", "commit": "a5c363e", "model": QWEN},
+            {
+                "path": "tpot/tpot_real_h200.json",
+                "commit": "0dffbd6",
+                "model": QWEN,
+                "note": "Below target at 8k×64 and below dense at batch 1, for time outside "
+                "Moira's kernels: at 8k×64 its kernels are busy 4.58 ms per step against "
+                "dense's 5.39 (the breakdown), 1.18×, but its steps take 5.18 ms; at batch 1 "
+                "every step is dense and runs FA3's own decode graph, the same FA3 kernels as "
+                "`FLASH_ATTN`, yet takes 0.43 ms longer. The cause is not found yet",
+            },
+            {
+                "path": "tpot/tpot_real_h100.json",
+                "commit": "a5c363e",
+                "model": QWEN,
+                "note": "Before Estimate's current launch (then 32-page programs of 2 warps, "
+                "now 64 pages on 4 warps); not re-run on an H100 since",
+            },
             {
                 "path": "plugin/tpot_plugin_h100.json",
                 "commit": "a5c363e",
@@ -386,9 +402,9 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {
-                "path": "correctness/pytest_gpu_h100.log",
-                "commit": "2d66988",
-                "device": H100,
+                "path": "correctness/pytest_gpu_h200.log",
+                "commit": "0dffbd6",
+                "device": H200,
                 "command": "bash benchmarks/run_gpu.sh --out DIR gpu-tests",
             },
             {"path": "plugin/plugin_gamma1_h100.json"},
@@ -438,6 +454,15 @@ MANIFEST: list[dict] = [
         ),
         "records": [
             {"path": "kernel_timing/kernel_timing_pages_h200.json", "commit": "0f7987a"},
+            {
+                "path": "kernel_timing/estimate_sweep_real_h200.json",
+                "commit": "0dffbd6",
+                "sweep_rows": {"previous launch, 32 pages × 2 warps": {
+                    "tile_pages": 32, "num_warps": 2, "key_stages": 3, "maxnreg": 128}},
+                "note": "At Qwen2.5-Coder-1.5B's heads (12 query, 2 KV) and the real-text "
+                "rows' shapes; the summaries stay in L2 across replays here, unlike in a "
+                "decode step (the TPOT breakdown has the in-step times)",
+            },
             {
                 "path": "kernel_timing/keyq_estimate_h100.json",
                 "commit": "a5c363e",
@@ -899,6 +924,16 @@ def render_timing(section: dict, loaded: list) -> list[str]:
                     fmt(e.get("select_us")), fmt(e.get("estimate_select_us")),
                     "–", "–", "–", m["device"], f"`{entry['path']}`",
                 ])  # fmt: skip
+                # Other launches of the same Estimate in the same run (its launch sweep).
+                for label, launch in entry.get("sweep_rows", {}).items():
+                    for swept in e.get("estimate_sweep", []):
+                        if all(swept.get(k) == v for k, v in launch.items()):
+                            rows.append([
+                                r["shape"], f"`{e.get('summary_dtype')}:{e['estimator']}`, "
+                                f"{label}", fmt(swept["us"]), "–", "–", "–", "–", "–",
+                                m["device"], f"`{entry['path']}`",
+                            ])  # fmt: skip
+                            break
             if "attend_pages_merge_us" in r:
                 rows.append([
                     r["shape"], "Attend `pages` + Merge", "–", "–", "–",
