@@ -441,13 +441,13 @@ for step in "${STEPS[@]}"; do
             ;;
         tpot-real)
             real_shapes="${arg:-31744x16,16384x32,8192x64,31744x1}"
-            # Each batched shape also gets one profiled window per engine: the stages'
-            # time per layer and rate against the copy rate (bench_tpot --breakdown).
-            batched=$(tr "," "\n" <<<"${real_shapes}" | grep -v 'x1$' | paste -sd, -)
+            # Each shape also gets one profiled window per engine: the stages' time per
+            # layer and rate against the copy rate, and the step's time outside the kernels
+            # (bench_tpot --breakdown); at batch 1 the step is FA3's own graph.
             # --gen 32: a real-weight engine per arm leaves less of a call for steps.
             tpot_engines "tpot_real${SUFFIX}" "${TPOT_ARMS}" "--gammas 0.98 --no-fixed" \
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
-                --shapes "${real_shapes}" --gen 32 ${batched:+--breakdown "${batched}"}
+                --shapes "${real_shapes}" --gen 32 --breakdown "${real_shapes}"
             REAL_SHAPES_RUN=${real_shapes}
             ;;
         audit)
