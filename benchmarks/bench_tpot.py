@@ -645,6 +645,41 @@ def kernel_events(prof) -> list[tuple[str, float, float]]:
     return out
 
 
+#: Host-side CUDA runtime and driver calls counted per step in a profiled window, by
+#: what their names contain: a step replayed as one FULL graph makes one graph launch
+#: and few kernel launches; attention run eagerly makes launches per layer, and a
+#: synchronize makes the host wait for the GPU (no overlap with the next step's work).
+HOST_CALLS = {
+    "kernel_launch": ("LaunchKernel",),
+    "graph_launch": ("GraphLaunch",),
+    "memcpy": ("Memcpy",),
+    "synchronize": ("Synchronize",),
+}
+
+
+def host_calls(events: list[tuple[str, float]], steps: float) -> dict:
+    """Per step, the count and host µs of each HOST_CALLS kind among ``events``
+    ((name, duration us) of the profiler's CPU-side events)."""
+    steps = max(steps, 1e-9)
+    out: dict = {}
+    for kind, parts in HOST_CALLS.items():
+        hits = [us for name, us in events if any(p in name for p in parts)]
+        out[kind] = {"per_step": len(hits) / steps, "us_per_step": sum(hits) / steps}
+    return out
+
+
+def cpu_events(prof) -> list[tuple[str, float]]:
+    """(name, duration us) of every CPU-side event the profiler saw (runtime API
+    calls included)."""
+    from torch.autograd import DeviceType
+
+    return [
+        (evt.name, float(evt.time_range.elapsed_us()))
+        for evt in prof.events()
+        if getattr(evt, "device_type", None) == DeviceType.CPU
+    ]
+
+
 def load_text_stream(path: str) -> tuple[list[int], list[int]]:
     """All documents of a run_accuracy_vllm export, longest context first, as one token
     stream, and where each document starts in it."""
@@ -737,6 +772,8 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
                      "kernel_events": len(events)}  # fmt: skip
                 b.update(interval_stats(stamps[i]))
                 b.update(summarize_kernels(events, steps))
+                # The step's time outside the kernels: the host's calls per step.
+                b["host_calls"] = host_calls(cpu_events(prof), steps)
                 b["reads"] = selector.reads() if w["arm"] == "moira" else None
                 b["stages"] = stage_rates(b, ctx["geometry"], context, batch, b["reads"],
                                           ctx.get("copy_gbps"))  # fmt: skip
@@ -791,7 +828,7 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
                 try:
                     from torch.profiler import ProfilerActivity, profile
 
-                    prof = profile(activities=[ProfilerActivity.CUDA])
+                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                     prof.start()
                     prof_calls = 0
                 except Exception as exc:

@@ -147,6 +147,20 @@ def _row(**kw):
     return row
 
 
+def test_host_calls_count_launches_graphs_copies_and_syncs_per_step():
+    # (name, duration us) as cpu_events() returns them: runtime and driver API names.
+    events = [("cudaGraphLaunch", 20.0), ("cudaGraphLaunch", 22.0),
+              ("cudaLaunchKernel", 5.0), ("cuLaunchKernelEx", 7.0), ("cudaLaunchKernelExC", 4.0),
+              ("cudaMemcpyAsync", 3.0), ("cudaStreamSynchronize", 400.0),
+              ("aten::copy_", 9.0)]  # fmt: skip
+    calls = bt.host_calls(events, steps=2)
+    assert calls["graph_launch"] == {"per_step": 1.0, "us_per_step": 21.0}
+    assert calls["kernel_launch"] == {"per_step": 1.5, "us_per_step": 8.0}
+    assert calls["memcpy"] == {"per_step": 0.5, "us_per_step": 1.5}
+    assert calls["synchronize"] == {"per_step": 0.5, "us_per_step": 200.0}
+    assert bt.host_calls([], steps=1)["synchronize"] == {"per_step": 0.0, "us_per_step": 0.0}
+
+
 def test_validate_tpot_row():
     bt.validate_tpot_row(_row())
     bt.validate_tpot_row(_row(arm="dense", selector=None, gamma=None, reads=None, tpot_ms=19.3))
