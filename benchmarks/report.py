@@ -457,8 +457,14 @@ MANIFEST: list[dict] = [
             {
                 "path": "kernel_timing/estimate_sweep_real_h200.json",
                 "commit": "0dffbd6",
-                "sweep_rows": {"previous launch, 32 pages × 2 warps": {
-                    "tile_pages": 32, "num_warps": 2, "key_stages": 3, "maxnreg": 128}},
+                "sweep_rows": {
+                    "previous launch, 32 pages × 2 warps": {
+                        "tile_pages": 32,
+                        "num_warps": 2,
+                        "key_stages": 3,
+                        "maxnreg": 128,
+                    }
+                },
                 "note": "At Qwen2.5-Coder-1.5B's heads (12 query, 2 KV) and the real-text "
                 "rows' shapes; the summaries stay in L2 across replays here, unlike in a "
                 "decode step (the TPOT breakdown has the in-step times)",
