@@ -657,14 +657,26 @@ HOST_CALLS = {
 }
 
 
+#: Host ops and calls listed per step by their total time.
+HOST_TOP = 12
+
+
 def host_calls(events: list[tuple[str, float]], steps: float) -> dict:
     """Per step, the count and host µs of each HOST_CALLS kind among ``events``
-    ((name, duration us) of the profiler's CPU-side events)."""
+    ((name, duration us) of the profiler's CPU-side events), and of the HOST_TOP
+    names that take the most time (``top``)."""
     steps = max(steps, 1e-9)
     out: dict = {}
     for kind, parts in HOST_CALLS.items():
         hits = [us for name, us in events if any(p in name for p in parts)]
         out[kind] = {"per_step": len(hits) / steps, "us_per_step": sum(hits) / steps}
+    # Where else the host's time goes: the ops and calls that take most of it (nested
+    # events each count their whole span, so these do not add up to the step).
+    by_name: dict[str, list[float]] = {}
+    for name, us in events:
+        by_name.setdefault(name[:80], []).append(us)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:HOST_TOP]
+    out["top"] = {n: {"per_step": len(v) / steps, "us_per_step": sum(v) / steps} for n, v in top}
     return out
 
 

@@ -159,6 +159,9 @@ def test_host_calls_count_launches_graphs_copies_and_syncs_per_step():
     assert calls["memcpy"] == {"per_step": 0.5, "us_per_step": 1.5}
     assert calls["synchronize"] == {"per_step": 0.5, "us_per_step": 200.0}
     assert bt.host_calls([], steps=1)["synchronize"] == {"per_step": 0.0, "us_per_step": 0.0}
+    # The names taking the most host time, whatever they are.
+    assert list(calls["top"])[:2] == ["cudaStreamSynchronize", "cudaGraphLaunch"]
+    assert calls["top"]["aten::copy_"] == {"per_step": 0.5, "us_per_step": 4.5}
 
 
 def test_validate_tpot_row():
