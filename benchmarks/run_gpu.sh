@@ -59,9 +59,9 @@ Steps (NAME[:ARG]):
   tpot-real[:SHAPES]   bench_tpot.py on the real model and text (--acc-model,
                        --acc-prompts), coverage rule at gamma 0.98: FLASH_ATTN, then one
                        MOIRA engine per --tpot-arms entry, then --merge into
-                       tpot_real.json; each batched shape adds a profiled window per
-                       engine (stage time per layer, rate against the copy rate; SHAPES
-                       default 31744x16,16384x32,8192x64,31744x1)
+                       tpot_real.json; each shape adds a profiled window per engine
+                       (stage time per layer, rate against the copy rate, the host's
+                       calls per step; SHAPES default 31744x16,16384x32,8192x64,31744x1)
   audit[:SHAPES]       the captured-mass audit's cost: bench_tpot.py on the real model and
                        text (as tpot-real), FLASH_ATTN, then MOIRA as configured (the
                        default: off) and with MOIRA_AUDIT_EVERY=64, merged into audit_tpot.json

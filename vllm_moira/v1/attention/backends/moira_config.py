@@ -383,9 +383,9 @@ def estimate_launch(
 ) -> EstimateLaunch:
     """Estimate's launch for an estimator with ``num_top`` stored keys on int8 (or bf16)
     summaries. int8 summaries take 64-page programs of 4 warps: each warp's share of
-    the tile's int8 products is the same as with 32 pages on 2 warps, and half the
-    programs repeat the fixed work (the query's digits, the block-table reads) half as
-    often; 128 registers per thread keep several programs per SM."""
+    the tile's int8 products is the same as with 32 pages on 2 warps, and half as many
+    programs repeat the fixed work (the query's digits, the block-table reads); 128
+    registers per thread keep several programs per SM."""
     defaults = {
         "tile_pages": 64 if int8 else 32,
         "num_warps": _ESTIMATE_NUM_WARPS,
