@@ -680,6 +680,27 @@ def host_calls(events: list[tuple[str, float]], steps: float) -> dict:
     return out
 
 
+def python_hotspots(py_prof, steps: int, top: int = 30) -> dict:
+    """The Python functions taking the most host time per step under cProfile:
+    by own time (``self``) and by time including callees (``total``), each as
+    calls and µs per step. cProfile slows Python code, so these rank the host's
+    work and compare backends; the step time beside them is inflated."""
+    import pstats
+
+    stats = pstats.Stats(py_prof).stats  # (file, line, func) -> (cc, nc, tt, ct, callers)
+    rows = []
+    for (path, line, func), (_cc, calls, own, total, _callers) in stats.items():
+        where = f"{'/'.join(path.split('/')[-3:])}:{line}({func})"
+        rows.append((where, calls / steps, 1e6 * own / steps, 1e6 * total / steps))
+
+    def ranked(col: int) -> dict:
+        best = sorted(rows, key=lambda r: -r[col])[:top]
+        return {r[0]: {"calls_per_step": round(r[1], 2), "self_us": round(r[2], 1),
+                       "total_us": round(r[3], 1)} for r in best}  # fmt: skip
+
+    return {"self": ranked(2), "total": ranked(3)}
+
+
 def cpu_events(prof) -> list[tuple[str, float]]:
     """(name, duration us) of every CPU-side event the profiler saw (runtime API
     calls included)."""
@@ -728,6 +749,9 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
     windows = [dict(arm, kind="arm", settle=a.settle, measure=a.gen) for arm in arms]
     if a.breakdown and (context, batch) in a.breakdown:
         windows.append(dict(arms[0], kind="profile", settle=a.settle, measure=a.profile_steps))
+        # The host's Python time per step, apart from the CUDA profiler (whose CPU
+        # events see torch ops and runtime calls, not the runner's own code).
+        windows.append(dict(arms[0], kind="host", settle=a.settle, measure=a.profile_steps))
     max_tokens = max_tokens_for(context, batch, windows, a.max_num_batched_tokens)
     if batch * (context + max_tokens) > ctx["kv_capacity_tokens"]:
         print(f"SKIP {context}x{batch}: KV capacity", flush=True)
@@ -766,11 +790,25 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
     done = [False] * len(windows)
     prof, t_first_full = None, None
     prof_calls = 0
+    py_prof = None
 
     def finish(i: int) -> None:
         nonlocal prof
+        nonlocal py_prof
         w = windows[i]
         done[i] = True
+        if w["kind"] == "host":
+            if py_prof is None:
+                return
+            py_prof.disable()
+            b = {"model": ctx["model"], "backend": a.backend, "batch": batch,
+                 "context": context, "kind": "host_python", **interval_stats(stamps[i]),
+                 "functions": python_hotspots(py_prof, max(len(stamps[i]) - 1, 1))}  # fmt: skip
+            py_prof = None
+            ctx["breakdown"].append(b)
+            print("HOST_PYTHON", json.dumps(b)[:4000], flush=True)
+            emit(None)
+            return
         if w["kind"] == "profile":
             if prof is None:
                 return
@@ -836,6 +874,11 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
             stamps[w_idx].append((step_no, t))
         if rel == w["settle"] - 1:  # timed window starts after this step
             selector.zero()
+            if w["kind"] == "host":
+                import cProfile
+
+                py_prof = cProfile.Profile()
+                py_prof.enable()
             if w["kind"] == "profile":
                 try:
                     from torch.profiler import ProfilerActivity, profile
@@ -988,7 +1031,7 @@ def main() -> int:
         plans = {s: [x for x in p if x["selector"] != "fixed"] for s, p in plans.items()}
     window = {"settle": a.settle, "measure": max(a.gen, a.profile_steps)}
     budget = {
-        s: max_tokens_for(s[0], s[1], [window] * (len(p) + 1), a.max_num_batched_tokens)
+        s: max_tokens_for(s[0], s[1], [window] * (len(p) + 2), a.max_num_batched_tokens)
         for s, p in plans.items()
     }
     max_len = max(c + budget[(c, b)] for c, b in shapes)

@@ -94,3 +94,24 @@ def test_skips_when_kv_does_not_fit():
     bt.run_shape(FakeEngine(), types.SimpleNamespace(), a, ctx, FakeSelector(), 300, 4, arms,
                  lambda r: r and rows.append(r), np.random.default_rng(0))  # fmt: skip
     assert rows[0]["skipped"] == "kv capacity" and rows[0]["tpot_ms"] is None
+
+
+def test_breakdown_shape_ends_with_a_host_python_window():
+    # A profiled shape gets, after its arms, the CUDA-profiler window and then a
+    # cProfile window whose hotspots name the engine's own Python code.
+    arms = bt.plan_arms("FLASH_ATTN", None, 300, 4, [0.98])
+    a = types.SimpleNamespace(settle=2, gen=5, breakdown=[(300, 4)], profile_steps=4,
+                              max_num_batched_tokens=1000, backend="FLASH_ATTN")  # fmt: skip
+    ctx = {"model": "m", "vocab": 1000, "num_layers": 2, "kv_capacity_tokens": 10**9,
+           "max_model_len": 10**6, "breakdown": [], "geometry": None}  # fmt: skip
+    rows, eng = [], FakeEngine(chunk=1000)
+    bt.run_shape(eng, types.SimpleNamespace(), a, ctx, FakeSelector(), 300, 4, arms,
+                 lambda r: r and rows.append(r), np.random.default_rng(0))  # fmt: skip
+    assert len(rows) == len(arms)
+    host = ctx["breakdown"][-1]
+    assert host["kind"] == "host_python" and host["steps"] == 4
+    step = [k for k in host["functions"]["total"] if k.endswith("(step)")]
+    assert step and host["functions"]["total"][step[0]]["calls_per_step"] == pytest.approx(
+        1.0, abs=0.3
+    )
+    assert not eng.reqs
