@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode TPOT in vLLM 0.30: dense FA3 vs Moira (paper Tables 3, 4 and 7 protocol).
 
-One in-process engine per invocation (one model, one backend), dummy weights,
+One engine per invocation (one model, one backend; the engine core in its own
+process, as vLLM runs it by default), dummy weights,
 token-id prompts, block_size 64, prefix caching off, torch.compile mode 3 with
 FULL_AND_PIECEWISE CUDA graphs, chunked prefill (16384 tokens per step). For
 each shape (context x batch) one batch of random prompts is submitted and the
@@ -21,7 +22,8 @@ window and read at its end (so prefill and mixed steps never count). The
 context grows by the tokens of earlier windows (<= 2% at 8k).
 
 --breakdown CONTEXTxBATCH adds a window at that shape (first arm's setting)
-profiled with torch.profiler (CUDA activity, kernels inside the graphs): time
+profiled with torch.profiler in the engine process (benchmarks/engine_profile.py;
+CUDA activity, kernels inside the graphs): time
 per step by kernel (Moira estimate/select/attend/merge/summaries, GEMM, FA3,
 rest; kernels_busy_ms: the union of the kernels' intervals, in case dependent
 launches overlap them; attention_busy_ms / attention_wall_ms: the attention
@@ -67,6 +69,7 @@ from pathlib import Path
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import engine_profile
 from benchmarks.bench_kernel_spread import parse_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,78 +493,31 @@ def merge(paths: list[str], out: str) -> dict:
 # Engine part (GPU)
 # --------------------------------------------------------------------------
 class Selector:
-    """Switches Moira's selector on every live workspace; sums read_stats."""
-
-    def __init__(self, backend: str):
-        self.workspaces: list = []
-        self.note = None
-        if backend not in MOIRA_BACKENDS:
-            return
-        self.workspaces = moira_module(backend).live_workspaces()
-        if not self.workspaces:
-            self.note = "no MoiraWorkspace found in this process (is the engine in-process?)"
-        elif not all(hasattr(ws, "set_selector") for ws in self.workspaces):
-            self.note = "MoiraWorkspace.set_selector missing: only the MOIRA_* env setting runs"
-
-    @property
-    def can_switch(self) -> bool:
-        return bool(self.workspaces) and self.note is None
-
-    def apply(self, arm: dict) -> None:
-        import torch
-
-        if arm["arm"] != "moira" or not self.can_switch:
-            return
-        for ws in self.workspaces:
-            if arm["selector"] == "fixed":
-                cfg = dataclasses.replace(ws.config, selector="fixed", fixed_pages=None,
-                                          fixed_fraction=arm["fixed_fraction"])  # fmt: skip
-            else:
-                cfg = dataclasses.replace(ws.config, selector="coverage", gamma=arm["gamma"],
-                                          fixed_pages=None, fixed_fraction=None)  # fmt: skip
-            ws.set_selector(cfg)
-        torch.cuda.synchronize()
-
-    def zero(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-        for ws in self.workspaces:
-            ws.reset_read_counts()
-        torch.cuda.synchronize()
-
-    def reads(self) -> float | None:
-        import torch
-
-        if not self.workspaces:
-            return None
-        torch.cuda.synchronize()
-        counts = [ws.read_counts() for ws in self.workspaces]
-        kept, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
-        return kept / total if total else None
-
-
-class RpcSelector(Selector):
-    """Selector for workspaces in worker processes (tensor parallelism):
-    the same switches through LLM.collective_rpc on every rank; reads are
-    summed over the ranks (each rank selects for its own KV heads)."""
+    """Switches Moira's selector on every rank's workspaces (in the engine process,
+    through LLM.collective_rpc) and sums their read counts."""
 
     def __init__(self, backend: str, llm):
-        self.workspaces = []
         self.note = None
         self.llm = llm
-        self.ranks = 0
-        if backend != "MOIRA":
+        self.ranks = self.workspaces = 0
+        if backend not in MOIRA_BACKENDS:
             return
-        from vllm.v1.worker import moira_rpc
-
+        if backend == "CUSTOM":
+            from vllm_moira.v1.worker import moira_rpc
+        else:
+            from vllm.v1.worker import moira_rpc
         self.moira_rpc = moira_rpc
-        counts = llm.collective_rpc(moira_rpc.read_stats, kwargs={"reset": True})
-        self.ranks = len(counts)
+        changed = llm.collective_rpc(moira_rpc.set_selector)  # no change: counts workspaces
+        self.ranks = len(changed)
+        self.workspaces = sum(changed)
+        if not all(changed):
+            self.note = (
+                f"a rank has no Moira workspace ({changed}): only the MOIRA_* env setting runs"
+            )
 
     @property
     def can_switch(self) -> bool:
-        return self.ranks > 0
+        return self.ranks > 0 and self.note is None
 
     def apply(self, arm: dict) -> None:
         if arm["arm"] != "moira" or not self.can_switch:
@@ -571,9 +527,7 @@ class RpcSelector(Selector):
         else:
             changes = dict(selector="coverage", gamma=arm["gamma"], fixed_pages=None,
                            fixed_fraction=None)  # fmt: skip
-        changed = self.llm.collective_rpc(self.moira_rpc.set_selector, kwargs=changes)
-        if not all(changed):
-            raise RuntimeError(f"a rank has no Moira workspace: {changed}")
+        self.llm.collective_rpc(self.moira_rpc.set_selector, kwargs=changes)
 
     def zero(self) -> None:
         if self.can_switch:
@@ -626,11 +580,22 @@ def compare_greedy(dense: dict, moira: dict) -> dict:
     return {"prompts": out, "all_equal": all(p["equal"] for p in out) and bool(out)}
 
 
-def profiled_steps(events: list[tuple], num_layers: int, step_calls: int) -> float:
+def profiled_steps(
+    events: list[tuple], num_layers: int, step_calls: int, graph_launches: int = 0
+) -> float:
     """Decode steps in a profiled window: Moira's Select runs once per layer
-    and step; without it (dense) the engine steps that were called."""
+    and step; without it (dense), one FULL-graph launch per decode step, else
+    the engine steps that the frontend saw (the profiler starts and stops
+    between steps of the engine, not exactly at the frontend's)."""
     n_select = sum(1 for name, *_ in events if "kernel_moira_select" in name)
-    return n_select / num_layers if n_select else float(step_calls)
+    if n_select:
+        return n_select / num_layers
+    return float(graph_launches or step_calls)
+
+
+def engine_rpc(llm, fn, **kwargs):
+    """``fn(worker, **kwargs)`` in the engine process (rank 0's result)."""
+    return llm.collective_rpc(fn, kwargs=kwargs)[0]
 
 
 def kernel_events(prof) -> list[tuple[str, float, float]]:
@@ -788,53 +753,39 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
     w_idx, full_idx, step_no = 0, 0, 0
     stamps: list[list[tuple[int, float]]] = [[] for _ in windows]
     done = [False] * len(windows)
-    prof, t_first_full = None, None
+    t_first_full = None
+    profiling: str | None = None  # the profiler running in the engine: "cuda" or "python"
     prof_calls = 0
-    py_prof = None
 
     def finish(i: int) -> None:
-        nonlocal prof
-        nonlocal py_prof
+        nonlocal profiling
         w = windows[i]
         done[i] = True
-        if w["kind"] == "host":
-            if py_prof is None:
+        if w["kind"] in ("profile", "host"):
+            if profiling is None:
                 return
-            py_prof.disable()
-            b = {"model": ctx["model"], "backend": a.backend, "batch": batch,
-                 "context": context, "kind": "host_python", **interval_stats(stamps[i]),
-                 "functions": python_hotspots(py_prof, max(len(stamps[i]) - 1, 1))}  # fmt: skip
-            py_prof = None
-            ctx["breakdown"].append(b)
-            print("HOST_PYTHON", json.dumps(b)[:4000], flush=True)
-            emit(None)
-            return
-        if w["kind"] == "profile":
-            if prof is None:
-                return
+            kind, profiling = profiling, None
+            head = {"model": ctx["model"], "backend": a.backend, "batch": batch,
+                    "context": context, "selector": w["selector"], "gamma": w["gamma"]}  # fmt: skip
             try:
-                prof.stop()
-                events = kernel_events(prof)
-                steps = profiled_steps(events, ctx["num_layers"], prof_calls)
-                b = {"model": ctx["model"], "backend": a.backend, "batch": batch,
-                     "context": context, "selector": w["selector"], "gamma": w["gamma"],
-                     "profiled_steps": steps, "step_calls": prof_calls,
-                     "kernel_events": len(events)}  # fmt: skip
-                b.update(interval_stats(stamps[i]))
-                b.update(summarize_kernels(events, steps))
-                # The step's time outside the kernels: the host's calls per step.
-                b["host_calls"] = host_calls(cpu_events(prof), steps)
-                b["reads"] = selector.reads() if w["arm"] == "moira" else None
-                b["stages"] = stage_rates(b, ctx["geometry"], context, batch, b["reads"],
-                                          ctx.get("copy_gbps"))  # fmt: skip
-                if not events:
-                    b["error"] = "profiler recorded no CUDA kernels"
+                if kind == "python":
+                    b = dict(head, kind="host_python", **interval_stats(stamps[i]))
+                    b["functions"] = engine_rpc(llm, engine_profile.stop_python,
+                                                steps=max(len(stamps[i]) - 1, 1))  # fmt: skip
+                else:
+                    b = dict(head, **engine_rpc(llm, engine_profile.stop_cuda,
+                                                num_layers=ctx["num_layers"],
+                                                step_calls=prof_calls))  # fmt: skip
+                    b.update(interval_stats(stamps[i]))
+                    b["reads"] = selector.reads() if w["arm"] == "moira" else None
+                    b["stages"] = stage_rates(b, ctx["geometry"], context, batch, b["reads"],
+                                              ctx.get("copy_gbps"))  # fmt: skip
+                    if not b["kernel_events"]:
+                        b["error"] = "profiler recorded no CUDA kernels"
             except Exception as exc:
-                b = {"model": ctx["model"], "batch": batch, "context": context,
-                     "error": f"{type(exc).__name__}: {exc}"[:500]}  # fmt: skip
-            prof = None
+                b = dict(head, error=f"{type(exc).__name__}: {exc}"[:500])
             ctx["breakdown"].append(b)
-            print("BREAKDOWN", json.dumps(b), flush=True)
+            print("BREAKDOWN", json.dumps(b)[:4000], flush=True)
             emit(None)
             return
         row = base_row(ctx, context, batch, w)
@@ -854,7 +805,7 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
         if not outs:  # nothing returned (e.g. async scheduling filling its queue)
             continue
         step_no += 1
-        if prof is not None:
+        if profiling is not None:
             prof_calls += 1
         n_new, first = 0, False
         for o in outs:
@@ -874,18 +825,11 @@ def run_shape(eng, llm, a, ctx, selector: Selector, context, batch, arms, emit, 
             stamps[w_idx].append((step_no, t))
         if rel == w["settle"] - 1:  # timed window starts after this step
             selector.zero()
-            if w["kind"] == "host":
-                import cProfile
-
-                py_prof = cProfile.Profile()
-                py_prof.enable()
-            if w["kind"] == "profile":
+            if w["kind"] in ("profile", "host"):
+                kind = "cuda" if w["kind"] == "profile" else "python"
                 try:
-                    from torch.profiler import ProfilerActivity, profile
-
-                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                    prof.start()
-                    prof_calls = 0
+                    engine_rpc(llm, engine_profile.start, kind=kind)
+                    profiling, prof_calls = kind, 0
                 except Exception as exc:
                     ctx["breakdown"].append({"error": f"profiler start: {exc}"[:300]})
         if rel == w["settle"] + w["measure"] - 1:
@@ -1012,11 +956,13 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     t_start = time.time()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # workspaces in-process
+    # The engine core runs in its own process (vLLM's default, as `vllm serve` runs it):
+    # in the benchmark's process its scheduling and output handling would share one
+    # thread with the timing loop, and steps short on the GPU would measure the host.
+    # collective_rpc sends moira_rpc's and engine_profile's functions (pickled by
+    # reference) to it.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if a.tensor_parallel_size > 1:
-        # collective_rpc sends moira_rpc.set_selector / read_stats (functions,
-        # pickled by reference) to the worker processes.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on this host
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -1087,14 +1033,11 @@ def main() -> int:
                         "cudagraph_mode": str(eng.vllm_config.compilation_config.cudagraph_mode),
                         "max_model_len": max_len}  # fmt: skip
     print(f"engine ready: {record['engine']}", flush=True)
-    if a.tensor_parallel_size > 1:
-        selector: Selector = RpcSelector(a.backend, llm)
-        record["engine"]["tensor_parallel_size"] = a.tensor_parallel_size
-    else:
-        selector = Selector(a.backend)
+    record["engine"]["tensor_parallel_size"] = a.tensor_parallel_size
+    selector = Selector(a.backend, llm)
     if a.backend in MOIRA_BACKENDS:
-        record["engine"]["moira_workspaces"] = len(selector.workspaces)
-        record["engine"]["moira_ranks"] = getattr(selector, "ranks", None)
+        record["engine"]["moira_workspaces"] = selector.workspaces
+        record["engine"]["moira_ranks"] = selector.ranks
         if selector.note:
             record["notes"].append(selector.note)
             print("WARNING:", selector.note, flush=True)

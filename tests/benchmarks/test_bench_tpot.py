@@ -137,6 +137,8 @@ def test_profiled_steps_count_select_launches_per_layer():
     events = [("kernel_moira_select", 3.0, float(t)) for t in range(64)] + [("gemm", 9.0, 0.0)]
     assert bt.profiled_steps(events, num_layers=32, step_calls=5) == 2.0
     assert bt.profiled_steps([("gemm", 9.0, 0.0)], num_layers=32, step_calls=5) == 5.0
+    # Dense: one FULL-graph launch per decode step, counted in the engine process.
+    assert bt.profiled_steps([("gemm", 9.0, 0.0)], 32, step_calls=5, graph_launches=4) == 4.0
 
 
 def _row(**kw):

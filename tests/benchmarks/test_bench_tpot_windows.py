@@ -96,6 +96,14 @@ def test_skips_when_kv_does_not_fit():
     assert rows[0]["skipped"] == "kv capacity" and rows[0]["tpot_ms"] is None
 
 
+class FakeLLM:
+    """collective_rpc as vLLM's single-rank engine runs it: ``fn(worker, **kwargs)``
+    per rank, here in this process (the engine's profilers run where it steps)."""
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        return [fn(None, *args, **(kwargs or {}))]
+
+
 def test_breakdown_shape_ends_with_a_host_python_window():
     # A profiled shape gets, after its arms, the CUDA-profiler window and then a
     # cProfile window whose hotspots name the engine's own Python code.
@@ -103,12 +111,18 @@ def test_breakdown_shape_ends_with_a_host_python_window():
     a = types.SimpleNamespace(settle=2, gen=5, breakdown=[(300, 4)], profile_steps=4,
                               max_num_batched_tokens=1000, backend="FLASH_ATTN")  # fmt: skip
     ctx = {"model": "m", "vocab": 1000, "num_layers": 2, "kv_capacity_tokens": 10**9,
-           "max_model_len": 10**6, "breakdown": [], "geometry": None}  # fmt: skip
+           "max_model_len": 10**6, "breakdown": [],
+           "geometry": bt.model_geometry({"num_attention_heads": 4, "hidden_size": 256,
+                                          "num_key_value_heads": 2, "num_hidden_layers": 2},
+                                         "auto", "FLASH_ATTN")}  # fmt: skip
     rows, eng = [], FakeEngine(chunk=1000)
-    bt.run_shape(eng, types.SimpleNamespace(), a, ctx, FakeSelector(), 300, 4, arms,
+    bt.run_shape(eng, FakeLLM(), a, ctx, FakeSelector(), 300, 4, arms,
                  lambda r: r and rows.append(r), np.random.default_rng(0))  # fmt: skip
     assert len(rows) == len(arms)
-    host = ctx["breakdown"][-1]
+    cuda, host = ctx["breakdown"][-2:]
+    # No GPU here: the CUDA window reports its steps and no kernels, and says so.
+    assert cuda["profiled_steps"] == 4 and cuda["kernel_events"] == 0
+    assert cuda["error"] == "profiler recorded no CUDA kernels"
     assert host["kind"] == "host_python" and host["steps"] == 4
     step = [k for k in host["functions"]["total"] if k.endswith("(step)")]
     assert step and host["functions"]["total"][step[0]]["calls_per_step"] == pytest.approx(
