@@ -55,25 +55,43 @@ MANIFEST: list[dict] = [
             f"Time per output token of a whole decode step in vLLM (full CUDA graphs, median "
             f"of the timed steps), {QWEN} with its real weights on the accuracy suite's "
             "haystack text, the coverage rule at the named γ; dense FA3 (`FLASH_ATTN`) in the "
-            "same run. Rows marked **default** are the shipped configuration."
+            "same run; the engine core in its own process, as `vllm serve` runs it, unless a "
+            "record's note says otherwise. Rows marked **default** are the shipped "
+            "configuration."
         ),
         "records": [
             {
-                "path": "tpot/tpot_real_h200.json",
-                "commit": "0dffbd6",
+                "path": "tpot/tpot_real_h100.json",
+                "commit": "095a818",
                 "model": QWEN,
-                "note": "Below target at 8k×64 and below dense at batch 1, for time outside "
-                "Moira's kernels: at 8k×64 its kernels are busy 4.58 ms per step against "
-                "dense's 5.39 (the breakdown), 1.18×, but its steps take 5.18 ms; at batch 1 "
-                "every step is dense and runs FA3's own decode graph, the same FA3 kernels as "
-                "`FLASH_ATTN`, yet takes 0.43 ms longer. The cause is not found yet",
+                "note": "At batch 1 (0.86×) every step of both engines runs FA3's decode graph "
+                "(kernels busy 2.41 and 2.43 ms a step) and waits on the host; see the repeat "
+                "below",
             },
             {
-                "path": "tpot/tpot_real_h100.json",
+                "path": "tpot/tpot_real_b1_repeat_h100.json",
+                "commit": "095a818",
+                "model": QWEN,
+                "note": "Batch 1 again, right after the run above on the same machine: both "
+                "engines read every page in FA3's graph (the same kernels, busy 2.42 ms a "
+                "step), and the step waits on the host (graph launch and the runner's Python), "
+                "whose speed moved by 15% between the two runs: dense took 3.05 ms there, "
+                "2.66 ms here",
+            },
+            {
+                "path": "tpot/tpot_real_arms_h100.json",
                 "commit": "a5c363e",
                 "model": QWEN,
-                "note": "Before Estimate's current launch (then 32-page programs of 2 warps, "
-                "now 64 pages on 4 warps); not re-run on an H100 since",
+                "filter": {"audit_every": [64]},
+                "note": "The engine ran in the benchmark's own process then (host-bound at "
+                "batch 1 and 8k×64); ratios against dense in that run",
+            },
+            {
+                "path": "tpot/tpot_real_arms_h100.json",
+                "commit": "a5c363e",
+                "model": QWEN,
+                "filter": {"summary_dtype": ["int4"]},
+                "note": "As the row above: the engine in the benchmark's process",
             },
             {
                 "path": "plugin/tpot_plugin_h100.json",
@@ -81,8 +99,9 @@ MANIFEST: list[dict] = [
                 "model": QWEN,
                 "filter": {"mode": ["plugin"]},
                 "note": "Plugin mode (`CUSTOM` on the stock vLLM 0.30.0 bundle, summaries in "
-                "the padded KV pages) in the same lease as `tpot/tpot_real_h100.json`, whose "
-                "dense and patched-build engines are its baseline",
+                "the padded KV pages) in the same lease as `tpot/tpot_real_arms_h100.json`, "
+                "whose dense and patched-build engines are its baseline; the engine in the "
+                "benchmark's process",
             },
         ],
     },  # fmt: skip
