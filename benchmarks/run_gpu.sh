@@ -62,6 +62,10 @@ Steps (NAME[:ARG]):
                        tpot_real.json; each shape adds a profiled window per engine
                        (stage time per layer, rate against the copy rate, the host's
                        calls per step; SHAPES default 31744x16,16384x32,8192x64,31744x1)
+  tpot-b1[:ROUNDS]     batch 1 on the real model and text (31744x1, as tpot-real): FLASH_ATTN
+                       and the default alternate for ROUNDS rounds (default 3), each pair
+                       merged into tpot_b1_rN.json; a step waits on the host there, and the
+                       host's speed drifts between engines
   audit[:SHAPES]       the captured-mass audit's cost: bench_tpot.py on the real model and
                        text (as tpot-real), FLASH_ATTN, then MOIRA as configured (the
                        default: off) and with MOIRA_AUDIT_EVERY=64, merged into audit_tpot.json
@@ -193,7 +197,8 @@ for step in "${STEPS[@]}"; do
         gpu-tests | correctness | tpot | kernel-spread | keyq-estimate | serving | soak | smoke | e2e \
             | plugin-soak \
             | summaries | vllm-tests | accuracy | estimate-sweep | estimate-sweep-real | attend-sweep) ;;
-        accuracy-suite | tpot-real | serving-real | plugin-check | audit) NEED_REAL_MODEL=1 ;;
+        accuracy-suite | tpot-real | tpot-b1 | serving-real | plugin-check | audit)
+            NEED_REAL_MODEL=1 ;;
         yarn-dense) NEED_YARN=1 ;;
         *) echo "run_gpu.sh: unknown step '${step}' (see --help)" >&2; exit 2 ;;
     esac
@@ -449,6 +454,17 @@ for step in "${STEPS[@]}"; do
                 --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
                 --shapes "${real_shapes}" --gen 32 --breakdown "${real_shapes}"
             REAL_SHAPES_RUN=${real_shapes}
+            ;;
+        tpot-b1)
+            # Batch 1 waits on the host (graph launch, the runner's Python), whose speed
+            # drifts between engine processes: dense and the default alternate, a pair of
+            # engines per round, each round merged on its own.
+            rounds=${arg:-3}
+            for ((r = 1; r <= rounds; r++)); do
+                tpot_engines "tpot_b1_r${r}${SUFFIX}" moira "--gammas 0.98 --no-fixed" \
+                    --model "${ACC_MODEL}" --prompts "${ACC_PROMPTS}" "${KV_ARGS[@]}" \
+                    --shapes 31744x1 --gen 64
+            done
             ;;
         audit)
             # The same engines but for the audit: the default (MOIRA_* unset: off), then

@@ -49,7 +49,7 @@ def test_help_names_the_kv_cache_option_and_the_steps():
 
 
 @pytest.mark.parametrize(
-    "step", ["accuracy-suite", "tpot-real:8192x4", "serving-real:1", "plugin-check"]
+    "step", ["accuracy-suite", "tpot-real:8192x4", "tpot-b1:2", "serving-real:1", "plugin-check"]
 )
 def test_real_model_steps_need_the_model_and_text_before_installing(tmp_path, step):
     result = _run(
@@ -143,3 +143,34 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
         assert f"--prompts {tmp_path / 'p.json.gz'}" in line
     assert "--gammas" not in lines[3]
     assert f"--merge {out}/tpot_real_dense.json {out}/tpot_real_moira.json" in lines[7]
+
+
+def test_tpot_b1_alternates_dense_and_the_default_per_round(tmp_path):
+    bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
+    bin_dir.mkdir()
+    prefix.mkdir()
+    calls = tmp_path / "calls.log"
+    fake = bin_dir / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {calls}\n'
+        'out=""; prev=""\n'
+        'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
+        '[[ -n $out ]] && echo "{}" > "$out"\n'
+    )
+    fake.chmod(0o755)
+    (prefix / "env.sh").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    (tmp_path / "p.json.gz").write_bytes(b"")
+    (tmp_path / "model").mkdir()
+    result = _run(
+        "--no-install", "--prefix", str(prefix),
+        "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
+        "tpot-b1:2",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = calls.read_text().splitlines()
+    outs = [Path(line.split()[line.split().index("--out") + 1]).name for line in lines]
+    assert outs == ["tpot_b1_r1_dense.json", "tpot_b1_r1_moira.json", "tpot_b1_r1.json",
+                    "tpot_b1_r2_dense.json", "tpot_b1_r2_moira.json", "tpot_b1_r2.json"]  # fmt: skip
+    assert all("--shapes 31744x1" in line for line in lines if "--merge" not in line)
