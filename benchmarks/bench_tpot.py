@@ -645,14 +645,28 @@ def host_calls(events: list[tuple[str, float]], steps: float) -> dict:
     return out
 
 
+#: The function called once per engine step that python_hotspots counts steps by:
+#: the profiler starts and stops between the engine's steps, not the frontend's.
+ENGINE_STEP_FUNCTION = ("gpu_worker.py", "execute_model")
+
+
 def python_hotspots(py_prof, steps: int, top: int = 30) -> dict:
     """The Python functions taking the most host time per step under cProfile:
     by own time (``self``) and by time including callees (``total``), each as
-    calls and µs per step. cProfile slows Python code, so these rank the host's
-    work and compare backends; the step time beside them is inflated."""
+    calls and µs per step, and the function calls per step (``calls_per_step``,
+    the same on a fast or a slow host). Steps are the engine's (calls of
+    ENGINE_STEP_FUNCTION) where it ran, else ``steps``. cProfile slows Python
+    code, so these rank the host's work and compare backends; the step time
+    beside them is inflated."""
     import pstats
 
     stats = pstats.Stats(py_prof).stats  # (file, line, func) -> (cc, nc, tt, ct, callers)
+    engine_steps = sum(
+        calls
+        for (path, _line, func), (_cc, calls, *_rest) in stats.items()
+        if path.endswith(ENGINE_STEP_FUNCTION[0]) and func == ENGINE_STEP_FUNCTION[1]
+    )
+    steps = engine_steps or steps
     rows = []
     for (path, line, func), (_cc, calls, own, total, _callers) in stats.items():
         where = f"{'/'.join(path.split('/')[-3:])}:{line}({func})"
@@ -663,7 +677,13 @@ def python_hotspots(py_prof, steps: int, top: int = 30) -> dict:
         return {r[0]: {"calls_per_step": round(r[1], 2), "self_us": round(r[2], 1),
                        "total_us": round(r[3], 1)} for r in best}  # fmt: skip
 
-    return {"self": ranked(2), "total": ranked(3)}
+    return {
+        "steps": steps,
+        "steps_counted_by": "engine" if engine_steps else "frontend",
+        "calls_per_step": round(sum(r[1] for r in rows), 1),
+        "self": ranked(2),
+        "total": ranked(3),
+    }
 
 
 def cpu_events(prof) -> list[tuple[str, float]]:
