@@ -22,6 +22,29 @@ def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _stand_in_python(tmp_path: Path, logged: str = "$*") -> tuple[Path, Path]:
+    """A stand-in ``python`` on the PATH (through the prefix's env.sh) that appends
+    ``logged`` (a bash word) to calls.log and writes its --out record, plus the model and
+    prompts the real-model steps check for. Returns (prefix, calls.log)."""
+    bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
+    bin_dir.mkdir()
+    prefix.mkdir()
+    calls = tmp_path / "calls.log"
+    fake = bin_dir / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "{logged}" >> {calls}\n'
+        'out=""; prev=""\n'
+        'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
+        '[[ -n $out ]] && echo "{}" > "$out"\n'
+    )
+    fake.chmod(0o755)
+    (prefix / "env.sh").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    (tmp_path / "p.json.gz").write_bytes(b"")
+    (tmp_path / "model").mkdir()
+    return prefix, calls
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -93,24 +116,9 @@ def test_estimate_sweep_is_a_known_step(tmp_path, step):
 
 
 def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
-    # A stand-in `python` on the PATH (through the prefix's env.sh) logs each command with
-    # its MOIRA_* mode and writes the --out record, so every merge finds its parts.
-    bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
-    bin_dir.mkdir()
-    prefix.mkdir()
-    calls = tmp_path / "calls.log"
-    fake = bin_dir / "python"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "${{MOIRA_SUMMARY_DTYPE:-${{MOIRA_ESTIMATOR:-env}}}} $*" >> {calls}\n'
-        'out=""; prev=""\n'
-        'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
-        '[[ -n $out ]] && echo "{}" > "$out"\n'
-    )
-    fake.chmod(0o755)
-    (prefix / "env.sh").write_text(f'export PATH="{bin_dir}:$PATH"\n')
-    (tmp_path / "p.json.gz").write_bytes(b"")
-    (tmp_path / "model").mkdir()
+    # The stand-in logs each command with its MOIRA_* mode and writes the --out record,
+    # so every merge finds its parts.
+    prefix, calls = _stand_in_python(tmp_path, "${MOIRA_SUMMARY_DTYPE:-${MOIRA_ESTIMATOR:-env}} $*")
     result = _run(
         "--no-install", "--prefix", str(prefix),
         "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
@@ -146,22 +154,7 @@ def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
 
 
 def test_tpot_b1_alternates_dense_and_the_default_per_round(tmp_path):
-    bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
-    bin_dir.mkdir()
-    prefix.mkdir()
-    calls = tmp_path / "calls.log"
-    fake = bin_dir / "python"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "$*" >> {calls}\n'
-        'out=""; prev=""\n'
-        'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
-        '[[ -n $out ]] && echo "{}" > "$out"\n'
-    )
-    fake.chmod(0o755)
-    (prefix / "env.sh").write_text(f'export PATH="{bin_dir}:$PATH"\n')
-    (tmp_path / "p.json.gz").write_bytes(b"")
-    (tmp_path / "model").mkdir()
+    prefix, calls = _stand_in_python(tmp_path)
     result = _run(
         "--no-install", "--prefix", str(prefix),
         "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
