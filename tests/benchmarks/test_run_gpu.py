@@ -22,10 +22,10 @@ def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
-def _stand_in_python(tmp_path: Path, logged: str = "$*") -> tuple[Path, Path]:
-    """A stand-in ``python`` on the PATH (through the prefix's env.sh) that appends
-    ``logged`` (a bash word) to calls.log and writes its --out record, plus the model and
-    prompts the real-model steps check for. Returns (prefix, calls.log)."""
+def _stand_in_python(tmp_path: Path, log: str = 'echo "$*"') -> tuple[Path, Path]:
+    """A stand-in ``python`` on the PATH (through the prefix's env.sh) that appends what
+    the bash command ``log`` prints to calls.log and writes its --out record, plus the model
+    and prompts the real-model steps check for. Returns (prefix, calls.log)."""
     bin_dir, prefix = tmp_path / "bin", tmp_path / "prefix"
     bin_dir.mkdir()
     prefix.mkdir()
@@ -33,7 +33,7 @@ def _stand_in_python(tmp_path: Path, logged: str = "$*") -> tuple[Path, Path]:
     fake = bin_dir / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
-        f'echo "{logged}" >> {calls}\n'
+        f"{log} >> {calls}\n"
         'out=""; prev=""\n'
         'for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
         '[[ -n $out ]] && echo "{}" > "$out"\n'
@@ -118,7 +118,9 @@ def test_estimate_sweep_is_a_known_step(tmp_path, step):
 def test_tpot_steps_run_dense_then_each_moira_mode_then_merge(tmp_path):
     # The stand-in logs each command with its MOIRA_* mode and writes the --out record,
     # so every merge finds its parts.
-    prefix, calls = _stand_in_python(tmp_path, "${MOIRA_SUMMARY_DTYPE:-${MOIRA_ESTIMATOR:-env}} $*")
+    prefix, calls = _stand_in_python(
+        tmp_path, 'echo "${MOIRA_SUMMARY_DTYPE:-${MOIRA_ESTIMATOR:-env}} $*"'
+    )
     result = _run(
         "--no-install", "--prefix", str(prefix),
         "--acc-model", str(tmp_path / "model"), "--acc-prompts", str(tmp_path / "p.json.gz"),
