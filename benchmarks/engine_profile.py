@@ -55,6 +55,7 @@ def stop_cuda(_worker: object, num_layers: int, step_calls: int) -> dict:
     import torch
 
     from benchmarks.bench_tpot import (
+        HOST_CALLS,
         cpu_events,
         host_calls,
         kernel_events,
@@ -68,7 +69,9 @@ def stop_cuda(_worker: object, num_layers: int, step_calls: int) -> dict:
     prof.stop()
     events = kernel_events(prof)
     calls = cpu_events(prof)
-    graph_launches = sum(1 for name, _ in calls if "GraphLaunch" in name)
+    graph_launches = sum(
+        1 for name, _ in calls if any(p in name for p in HOST_CALLS["graph_launch"])
+    )
     steps = profiled_steps(events, num_layers, step_calls, graph_launches)
     out = {"profiled_steps": steps, "step_calls": step_calls, "kernel_events": len(events)}
     out.update(summarize_kernels(events, steps))
